@@ -1,7 +1,39 @@
-"""tread_fx: TREAD token routing for any PyTorch diffusion backbone, as a torch.fx pass."""
+"""tread_fx: TREAD token routing for any PyTorch diffusion backbone, as a torch.fx pass.
 
-from tread_fx import errors, registry
+Example:
+    >>> import tread_fx
+    >>> model = tread_fx.models.DiT_S_2(input_size=8, in_channels=1, num_classes=10)
+    >>> model = tread_fx.route(model, routes=[(2, 8)], rate=0.5)
+"""
+
+from tread_fx import adapters, errors, ops, registry, routes, selection
+from tread_fx.api import RouteInfo, is_routed, route, route_info, routed_graphs, unroute
 from tread_fx.errors import *  # noqa: F403
+from tread_fx.passes.rewrite import Reinsert
 from tread_fx.registry import register_leaf_function, register_leaf_module
+from tread_fx.routes import Route
 
-__all__ = [*errors.__all__, "register_leaf_function", "register_leaf_module"]
+# isort: split
+# models/ register leaf functions, so they are imported after the registry is bound here.
+from tread_fx import models, passes
+
+__all__ = [
+    *errors.__all__,
+    "Reinsert",
+    "Route",
+    "RouteInfo",
+    "adapters",
+    "is_routed",
+    "models",
+    "ops",
+    "passes",
+    "register_leaf_function",
+    "register_leaf_module",
+    "registry",
+    "route",
+    "route_info",
+    "routed_graphs",
+    "routes",
+    "selection",
+    "unroute",
+]

@@ -1,0 +1,419 @@
+"""Pass 2 — locate: find the block stack and the token stream that flows through it.
+
+The block stack is the longest chain of ModuleList/Sequential containers of same-class
+modules whose members are called once each, in order, where each container's first block
+depends on the previous container's last block (Flux-style chained lists). ``blocks=``
+names the containers instead. The token stream is found by data flow: the value block ``i``
+hands to block ``i + 1`` that descends from the model's first tensor input.
+
+Example:
+    >>> import torch
+    >>> from tread_fx.passes.locate import candidate_stacks
+    >>> m = torch.nn.Module()
+    >>> m.blocks = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+    >>> list(candidate_stacks(m))
+    ['blocks']
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch.fx as fx
+from torch import nn
+
+from tread_fx.errors import AmbiguousBlockStackError, BlockStackNotFoundError, TokenStreamError
+from tread_fx.passes.trace import MODEL_PREFIX, TensorMeta, TracedCall
+
+__all__ = [
+    "BlockCall",
+    "StreamInfo",
+    "candidate_stacks",
+    "resolve_block_lists",
+    "block_leaf_paths",
+    "locate",
+    "input_slots",
+    "output_slots",
+]
+
+SlotKey = tuple  # ("arg", i) | ("kwarg", name) | (..., j) for one level of nesting
+
+
+@dataclass
+class BlockCall:
+    """One call of one block in the stack.
+
+    Attributes:
+        index: Position in the (possibly chained) stack, from 0.
+        node: The ``call_module`` node.
+        path: Module path relative to the model, e.g. ``"blocks.3"``.
+        list_path: Path of the container holding the block.
+        in_slot: Where the token stream enters the block's arguments.
+        out_slot: Where it leaves the block's return value (``None``: the value itself).
+        stream_in: The node passed in ``in_slot``.
+        stream_out: The node holding the stream after the block.
+    """
+
+    index: int
+    node: fx.Node
+    path: str
+    list_path: str
+    in_slot: SlotKey
+    out_slot: tuple | None = None
+    stream_in: fx.Node | None = None
+    stream_out: fx.Node | None = None
+
+
+@dataclass
+class StreamInfo:
+    """What the locate pass found: the block stack and the token stream's layout."""
+
+    blocks: list[BlockCall]
+    list_paths: list[str]
+    batch_dim: int
+    token_dim: int
+    batch_size: int
+    num_tokens: int
+    prefix: int
+    stream_meta: TensorMeta
+    primary: fx.Node
+    carried: dict[str, dict[tuple, SlotKey]] = field(default_factory=dict)
+
+    @property
+    def depth(self) -> int:
+        return len(self.blocks)
+
+
+def candidate_stacks(model: nn.Module) -> dict[str, nn.Module]:
+    """Return containers (ModuleList/Sequential) of >= 2 modules that all share one class."""
+    found = {}
+    for path, module in model.named_modules():
+        if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) >= 2:
+            classes = {type(child) for child in module}
+            if len(classes) == 1 and not issubclass(classes.pop(), (nn.ModuleList, nn.Sequential)):
+                found[path] = module
+    return found
+
+
+def resolve_block_lists(
+    model: nn.Module, blocks: str | Sequence[str] | nn.Module | None
+) -> list[str]:
+    """Turn the user's ``blocks=`` into container paths, or all candidates when ``None``."""
+    if blocks is None:
+        return list(candidate_stacks(model))
+    items = [blocks] if isinstance(blocks, (str, nn.Module)) else list(blocks)
+    names = {id(m): p for p, m in model.named_modules()}
+    paths = []
+    for item in items:
+        path = names.get(id(item)) if isinstance(item, nn.Module) else item
+        if not isinstance(path, str):
+            raise BlockStackNotFoundError(
+                f"blocks= was given {item!r}, which is not a submodule of "
+                f"{type(model).__name__}; pass an attribute path such as 'blocks'."
+            )
+        try:
+            container = model.get_submodule(path)
+        except AttributeError:
+            raise BlockStackNotFoundError(
+                f"blocks={path!r} was asked for, but {type(model).__name__} has no submodule "
+                f"at that path; candidates are {sorted(candidate_stacks(model)) or 'none'}."
+            ) from None
+        if not isinstance(container, (nn.ModuleList, nn.Sequential)) or len(container) == 0:
+            raise BlockStackNotFoundError(
+                f"blocks={path!r} is a {type(container).__name__}, not a non-empty "
+                "ModuleList/Sequential of blocks; name the container that holds the blocks."
+            )
+        paths.append(path)
+    return paths
+
+
+def block_leaf_paths(model: nn.Module, list_paths: Iterable[str]) -> set[str]:
+    """Return the paths of every member of the given containers (traced as leaves)."""
+    return {
+        f"{p}.{name}" if p else name
+        for p in list_paths
+        for name, _ in model.get_submodule(p).named_children()
+    }
+
+
+def input_slots(node: fx.Node) -> dict[SlotKey, fx.Node]:
+    """Map each argument position of ``node`` that holds a node to that node."""
+    slots: dict[SlotKey, fx.Node] = {}
+    items = [(("arg", i), a) for i, a in enumerate(node.args)]
+    items += [(("kwarg", k), a) for k, a in node.kwargs.items()]
+    for key, arg in items:
+        if isinstance(arg, fx.Node):
+            slots[key] = arg
+        elif isinstance(arg, (tuple, list)):
+            slots.update({(*key, j): a for j, a in enumerate(arg) if isinstance(a, fx.Node)})
+    return slots
+
+
+def output_slots(node: fx.Node) -> dict[tuple, fx.Node]:
+    """Map ``("item", k)`` / ``("attr", name)`` to the users that unpack ``node``'s result."""
+    slots = {}
+    for user in node.users:
+        if user.op == "call_function" and user.target is operator.getitem:
+            slots[("item", user.args[1])] = user
+        elif user.op == "call_function" and user.target is getattr:
+            slots[("attr", user.args[1])] = user
+    return slots
+
+
+def _ancestors(node: fx.Node, stop: set[fx.Node]) -> set[fx.Node]:
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        for a in n.all_input_nodes:
+            if a not in seen:
+                seen.add(a)
+                if a not in stop:
+                    todo.append(a)
+    return seen
+
+
+def _block_calls(traced: TracedCall, list_paths: list[str]) -> dict[str, list[fx.Node]]:
+    calls: dict[str, list[fx.Node]] = {p: [] for p in list_paths}
+    for node in traced.gm.graph.nodes:
+        if node.op != "call_module":
+            continue
+        target = node.target[len(MODEL_PREFIX) :]
+        parent = target.rpartition(".")[0]
+        if parent in calls:
+            calls[parent].append(node)
+    return calls
+
+
+def _valid_sequence(model: nn.Module, path: str, nodes: list[fx.Node]) -> bool:
+    names = [n for n, _ in model.get_submodule(path).named_children()]
+    called = [n.target.rpartition(".")[2] for n in nodes]
+    return called == names
+
+
+def _chains(model: nn.Module, calls: dict[str, list[fx.Node]]) -> list[list[str]]:
+    valid = [p for p, nodes in calls.items() if nodes and _valid_sequence(model, p, nodes)]
+    order = {n: i for i, n in enumerate(next(iter(calls.values()))[0].graph.nodes)} if valid else {}
+    valid.sort(key=lambda p: order[calls[p][0]])
+    chains: list[list[str]] = []
+    for path in valid:
+        for chain in chains:
+            last = calls[chain[-1]][-1]
+            first = calls[path][0]
+            if order[first] > order[last] and last in _ancestors(first, set()):
+                chain.append(path)
+                break
+        else:
+            chains.append([path])
+    return chains
+
+
+def _choose_chain(model: nn.Module, chains: list[list[str]], calls, explicit: bool) -> list[str]:
+    if explicit:
+        if len(chains) != 1:
+            raise BlockStackNotFoundError(
+                f"blocks= named {sorted(calls)}, but their members are not called once each, "
+                "in order, one container after the other; name only the block containers "
+                "of the main stack, in call order."
+            )
+        return chains[0]
+    if not chains:
+        raise BlockStackNotFoundError(
+            f"no block stack found in {type(model).__name__}: no ModuleList/Sequential of "
+            f"same-class modules is called once per member in order (candidates: "
+            f"{sorted(calls) or 'none'}). Pass blocks='<attribute path>' to route()."
+        )
+    size = lambda chain: sum(len(calls[p]) for p in chain)
+    best = max(size(c) for c in chains)
+    top = [c for c in chains if size(c) == best]
+    if len(top) > 1:
+        raise AmbiguousBlockStackError(
+            f"several block stacks of {best} blocks qualify in {type(model).__name__}: "
+            f"{[' + '.join(c) for c in top]}; pass blocks='<path>' to route() to choose one."
+        )
+    return top[0]
+
+
+def locate(
+    traced: TracedCall,
+    model: nn.Module,
+    list_paths: list[str],
+    explicit: bool,
+    keep_prefix: int | None = None,
+) -> StreamInfo:
+    """Find the block stack and the token stream in a traced call.
+
+    Args:
+        traced: The output of the trace pass (block containers' members traced as leaves).
+        model: The model (for container contents and ``num_prefix_tokens``).
+        list_paths: Candidate container paths (all candidates, or the user's ``blocks=``).
+        explicit: Whether ``list_paths`` came from the user.
+        keep_prefix: Number of leading tokens never routed; ``None`` detects it.
+
+    Returns:
+        The :class:`StreamInfo`.
+    """
+    calls = _block_calls(traced, list_paths)
+    chain = _choose_chain(model, _chains(model, calls), calls, explicit)
+    nodes = [(path, node) for path in chain for node in calls[path]]
+    blocks = [
+        BlockCall(i, node, node.target[len(MODEL_PREFIX) :], path, ())
+        for i, (path, node) in enumerate(nodes)
+    ]
+    primary = next(n for n in traced.gm.graph.nodes if n.op == "placeholder")
+    block_nodes = {b.node for b in blocks}
+    _assign_stream_slots(blocks, primary, block_nodes)
+    carried = {p: _carried_slots([b for b in blocks if b.list_path == p]) for p in chain}
+    meta = blocks[0].stream_in.meta.get("tread_meta")
+    if not isinstance(meta, TensorMeta) or len(meta.shape) < 2:
+        raise TokenStreamError(
+            f"the value entering block {blocks[0].path} is {meta!r}, not a [batch, tokens, "
+            "...] tensor; tread_fx routes token sequences only."
+        )
+    batch_dim, token_dim, batch = _layout(meta, primary)
+    num_tokens = meta.shape[token_dim]
+    prefix = _prefix(model, keep_prefix, blocks[0].stream_in, primary, token_dim, num_tokens)
+    return StreamInfo(
+        blocks, chain, batch_dim, token_dim, batch, num_tokens, prefix, meta, primary, carried
+    )
+
+
+def _tensor_slots(node: fx.Node) -> dict[SlotKey, fx.Node]:
+    return {
+        k: n
+        for k, n in input_slots(node).items()
+        if isinstance(n.meta.get("tread_meta"), TensorMeta) and len(n.meta["tread_meta"].shape) >= 2
+    }
+
+
+def _first_stream_slot(block: BlockCall, primary: fx.Node, block_nodes: set) -> SlotKey:
+    slots = _tensor_slots(block.node)
+    if not slots:
+        raise TokenStreamError(
+            f"block {block.path} receives no tensor of rank >= 2; nothing to route."
+        )
+    from_primary = [k for k, n in slots.items() if n is primary or primary in _ancestors(n, set())]
+    pool = from_primary or list(slots)
+    return max(pool, key=lambda k: _num_elements(slots[k]))
+
+
+def _num_elements(node: fx.Node) -> int:
+    size = 1
+    for s in node.meta["tread_meta"].shape:
+        size *= s
+    return size
+
+
+def _depends_on(node: fx.Node, outputs: dict[tuple, fx.Node], block_nodes: set) -> list[tuple]:
+    reach = _ancestors(node, block_nodes) | {node}
+    return [key for key, out in outputs.items() if out in reach]
+
+
+def _out_slot(block: BlockCall, following: BlockCall | None, block_nodes: set) -> tuple | None:
+    if isinstance(block.node.meta.get("tread_meta"), TensorMeta):
+        return None
+    outs = output_slots(block.node)
+    if following is not None and following.list_path == block.list_path:
+        keys = _depends_on(input_slots(following.node)[block.in_slot], outs, block_nodes)
+        if len(keys) == 1:
+            return keys[0]
+    shape = block.stream_in.meta["tread_meta"].shape
+    same = [k for k, n in outs.items() if getattr(n.meta.get("tread_meta"), "shape", None) == shape]
+    if len(same) != 1:
+        raise TokenStreamError(
+            f"cannot tell which output of block {block.path} carries the token stream "
+            f"(outputs {sorted(map(str, outs))}); pass blocks= with the main stack only, or "
+            "register an adapter."
+        )
+    return same[0]
+
+
+def _assign_stream_slots(blocks: list[BlockCall], primary: fx.Node, block_nodes: set) -> None:
+    for i, block in enumerate(blocks):
+        prev = blocks[i - 1] if i else None
+        if prev is None:
+            block.in_slot = _first_stream_slot(block, primary, block_nodes)
+        elif prev.list_path == block.list_path:
+            block.in_slot = prev.in_slot
+        else:
+            slots = _tensor_slots(block.node)
+            keys = [
+                k for k, n in slots.items() if prev.stream_out in _ancestors(n, block_nodes) | {n}
+            ]
+            if len(keys) != 1:
+                raise TokenStreamError(
+                    f"cannot tell which argument of block {block.path} continues the token "
+                    f"stream of block {prev.path} (candidates {keys}); pass blocks= explicitly."
+                )
+            block.in_slot = keys[0]
+        slots = input_slots(block.node)
+        if block.in_slot not in slots:
+            raise TokenStreamError(
+                f"block {block.path} is not called with a token stream in {block.in_slot} like "
+                "the blocks before it; route() needs blocks called the same way."
+            )
+        block.stream_in = slots[block.in_slot]
+        following = blocks[i + 1] if i + 1 < len(blocks) else None
+        block.out_slot = _out_slot(block, following, block_nodes)
+        outs = output_slots(block.node)
+        block.stream_out = block.node if block.out_slot is None else outs[block.out_slot]
+
+
+def _carried_slots(blocks: list[BlockCall]) -> dict[tuple, SlotKey]:
+    """Map each output slot of a block to the input slot of the next block it feeds."""
+    if len(blocks) < 2 or isinstance(blocks[0].node.meta.get("tread_meta"), TensorMeta):
+        return {None: blocks[0].in_slot}
+    outs = output_slots(blocks[0].node)
+    nodes = {b.node for b in blocks}
+    carried = {}
+    for key, node in input_slots(blocks[1].node).items():
+        deps = _depends_on(node, outs, nodes)
+        if len(deps) == 1:
+            carried[deps[0]] = key
+    return carried
+
+
+def _layout(meta: TensorMeta, primary: fx.Node) -> tuple[int, int, int]:
+    pmeta = primary.meta.get("tread_meta")
+    batch = pmeta.shape[0] if isinstance(pmeta, TensorMeta) and pmeta.shape else meta.shape[0]
+    if meta.shape[0] == batch:
+        return 0, 1, batch
+    if meta.shape[1] == batch:
+        return 1, 0, batch
+    raise TokenStreamError(
+        f"the token stream has shape {meta.shape}, but the batch size {batch} (dim 0 of the "
+        "first input) is in neither of its first two dims; tread_fx needs [B, N, ...] or "
+        "[N, B, ...] streams."
+    )
+
+
+def _prefix(model, keep_prefix, stream0: fx.Node, primary, token_dim: int, num_tokens: int) -> int:
+    if keep_prefix is not None:
+        return keep_prefix
+    declared = getattr(model, "num_prefix_tokens", None)
+    if isinstance(declared, int):
+        return declared
+    return _prefix_from_concat(stream0, primary, token_dim, num_tokens)
+
+
+def _prefix_from_concat(stream0: fx.Node, primary: fx.Node, token_dim: int, num_tokens: int) -> int:
+    """Count leading tokens concatenated in front of the input-derived tokens (cls, registers)."""
+    import torch
+
+    for node in _ancestors(stream0, set()) | {stream0}:
+        if node.op != "call_function" or node.target is not torch.cat:
+            continue
+        parts = node.args[0]
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+        out = node.meta.get("tread_meta")
+        if not isinstance(out, TensorMeta) or dim % len(out.shape) != token_dim:
+            continue
+        if out.shape[token_dim] != num_tokens:
+            continue
+        prefix = 0
+        for part in parts:
+            if part is primary or primary in _ancestors(part, set()):
+                return prefix
+            prefix += part.meta["tread_meta"].shape[token_dim]
+    return 0

@@ -1,0 +1,346 @@
+"""Pass 3 — plan: for one route, what enters, leaves and passes through the routed region.
+
+The region of route ``(s, e)`` is every node that depends on block ``s`` and feeds block ``e``
+(or the last block's outputs when ``e == depth``), found with networkx over the graph.
+Values entering the region are gathered (token stream, token-aligned side values) or passed
+through (conditioning, text streams); values leaving it are scattered back into their
+counterpart at the route start. Anything that looks token-aligned but matches no rule is
+refused in strict mode, naming it.
+
+Example:
+    >>> # plan_route is driven by tread_fx.pipeline.build; see tread_fx.explain for its output.
+"""
+
+from __future__ import annotations
+
+import operator
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import networkx as nx
+import torch
+import torch.fx as fx
+
+from tread_fx.adapters import SideValue, StreamLayout, adapters
+from tread_fx.errors import InvalidRateError, SideInputError, TokenStreamError
+from tread_fx.passes.locate import BlockCall, StreamInfo, input_slots, output_slots
+from tread_fx.passes.trace import TensorMeta
+from tread_fx.routes import Route
+from tread_fx.selection import Strategy, kept_units
+
+__all__ = ["Crossing", "RoutePlan", "plan_route", "graph_to_networkx"]
+
+_ELEMENTWISE = {operator.add, operator.iadd, operator.mul, operator.imul, operator.sub,
+                operator.isub, torch.add, torch.mul, torch.sub, "add", "mul", "sub", "add_",
+                "mul_", "sub_"}  # fmt: skip
+
+
+@dataclass
+class Crossing:
+    """A value crossing the region boundary and what the rewrite does with it.
+
+    Attributes:
+        node: The value.
+        action: ``"gather"``, ``"pass"``, ``"scatter"`` or an adapter function.
+        reason: The rule that decided (shown by ``explain``).
+        users: For entering values, the region nodes using it; for leaving values, the
+            nodes after the region using it.
+        counterpart: For scattered values, the full-size value at the route start.
+    """
+
+    node: fx.Node
+    action: Any
+    reason: str
+    users: list[fx.Node] = field(default_factory=list)
+    counterpart: fx.Node | None = None
+
+
+@dataclass
+class RoutePlan:
+    """Everything the rewrite pass needs for one route."""
+
+    route: Route
+    index: int
+    start_block: BlockCall
+    end_block: BlockCall | None
+    stream_start: fx.Node
+    stream_end: fx.Node
+    region: set[fx.Node]
+    entering: list[Crossing]
+    leaving: list[Crossing]
+    layout: StreamLayout
+    units: int
+    keep_units: int
+    kept_tokens: int
+
+
+def graph_to_networkx(graph: fx.Graph) -> nx.DiGraph:
+    """Data-flow graph of an fx graph: an edge from each input node to its user."""
+    g = nx.DiGraph()
+    for node in graph.nodes:
+        g.add_node(node)
+        g.add_edges_from((a, node) for a in node.all_input_nodes)
+    return g
+
+
+def _is_token_aligned(meta: Any, layout: StreamLayout) -> bool:
+    if not isinstance(meta, TensorMeta) or len(meta.shape) <= max(
+        layout.batch_dim, layout.token_dim
+    ):
+        return False
+    shape = meta.shape
+    return (
+        shape[layout.batch_dim] == layout.batch_size
+        and shape[layout.token_dim] == layout.num_tokens
+    )
+
+
+def _looks_token_aligned(side: SideValue) -> bool:
+    metas = side.meta if isinstance(side.meta, (tuple, list)) else (side.meta,)
+    sizes = {side.stream.num_tokens, side.stream.num_tokens - side.stream.prefix}
+    return any(isinstance(m, TensorMeta) and any(s in sizes for s in m.shape[1:]) for m in metas)
+
+
+def _region(g: nx.DiGraph, info: StreamInfo, route: Route) -> tuple[set, fx.Node, fx.Node]:
+    start = info.blocks[route.start]
+    stream_start = input_slots(start.node)[start.in_slot]
+    if route.end < info.depth:
+        end = info.blocks[route.end]
+        stream_end = input_slots(end.node)[end.in_slot]
+        upstream = nx.ancestors(g, end.node)
+    else:
+        last = info.blocks[-1]
+        stream_end = last.stream_out
+        outs = set(output_slots(last.node).values()) or {last.node}
+        upstream = set().union(*(nx.ancestors(g, o) | {o} for o in outs))
+    region = (nx.descendants(g, start.node) | {start.node}) & upstream
+    if stream_end not in region:
+        raise TokenStreamError(
+            f"the token stream entering block {route.end} does not come from block "
+            f"{route.start}; route ({route.start}, {route.end}) does not span a chain of blocks."
+        )
+    return region, stream_start, stream_end
+
+
+def _family_slots(g: nx.DiGraph, info: StreamInfo, block: BlockCall) -> set:
+    """Carried input slots of ``block``'s list whose value descends from the first input."""
+    first = next(b for b in info.blocks if b.list_path == block.list_path)
+    slots = input_slots(first.node)
+    carried = set(info.carried.get(block.list_path, {}).values()) | {block.in_slot}
+    return {
+        k
+        for k in carried
+        if k in slots and (slots[k] is info.primary or nx.has_path(g, info.primary, slots[k]))
+    }
+
+
+def _side_value(g, node, users, region, info, layout, block_nodes) -> SideValue:
+    names, classes = set(), set()
+    for user in users:
+        if user in block_nodes:
+            for key, arg in input_slots(user).items():
+                if arg is node:
+                    names.add(key[1] if key[0] == "kwarg" else f"arg{key[1]}")
+            classes.add(type(block_nodes[user]))
+    combined = any(
+        u.op in ("call_function", "call_method")
+        and u.target in _ELEMENTWISE
+        and any(a in region for a in u.all_input_nodes)
+        for u in users
+    )
+    meta = node.meta.get("tread_meta")
+    return SideValue(
+        node=node,
+        meta=meta,
+        arg_names=frozenset(names),
+        block_classes=frozenset(classes),
+        stream=layout,
+        token_aligned=_is_token_aligned(meta, layout),
+        from_stream=node is info.primary or nx.has_path(g, info.primary, node),
+        combined_with_stream=combined,
+    )
+
+
+def _classify_entering(side: SideValue, users, carried_slot, family, strict: bool) -> Crossing:
+    node = side.node
+    if carried_slot is not None:
+        if carried_slot in family:
+            return Crossing(node, "gather", f"carried token stream {carried_slot}", users)
+        return Crossing(node, "pass", f"carried non-token stream {carried_slot}", users)
+    for adapter in adapters():
+        if adapter.matches(side):
+            return Crossing(node, adapter.action, f"adapter '{adapter.name}'", users)
+    if side.token_aligned or _looks_token_aligned(side):
+        shape = getattr(side.meta, "shape", side.meta)
+        message = (
+            f"value '{node.name}' with shape {shape} enters the routed blocks "
+            f"{sorted(side.arg_names) or '(used inside the region)'} and looks token-aligned "
+            f"({side.stream.num_tokens} tokens), but no rule says how to fit it to the kept "
+            "tokens. Register a tread_fx.adapters.Adapter for it (action 'gather' or 'pass'), "
+            "or pass strict=False to gather token-aligned values and pass the rest."
+        )
+        if strict:
+            raise SideInputError(message)
+        warnings.warn(message, stacklevel=2)
+        action = "gather" if side.token_aligned else "pass"
+        return Crossing(node, action, "non-strict guess", users)
+    return Crossing(node, "pass", "not token-aligned", users)
+
+
+def _entering(g, plan_args, region, info, layout, strict) -> list[Crossing]:
+    start, stream_start = plan_args
+    block_nodes = {b.node: _module_of(b) for b in info.blocks}
+    start_slots = {n: k for k, n in input_slots(start.node).items()}
+    family = _family_slots(g, info, start)
+    carried = set(info.carried.get(start.list_path, {}).values())
+    crossings, seen = [], {}
+    for node in sorted(region, key=_topo_index):
+        for arg in node.all_input_nodes:
+            if arg not in region:
+                seen.setdefault(arg, []).append(node)
+    for value, users in seen.items():
+        if value is stream_start:
+            crossings.append(Crossing(value, "gather", "token stream", users))
+            continue
+        slot = start_slots.get(value)
+        side = _side_value(g, value, users, region, info, layout, block_nodes)
+        carried_slot = slot if slot in carried and start.node in users else None
+        crossings.append(_classify_entering(side, users, carried_slot, family, strict))
+    return crossings
+
+
+def _leaving(region, info, route, stream, entering, layout) -> list[Crossing]:
+    stream_start, stream_end = stream
+    start = info.blocks[route.start]
+    start_slots = input_slots(start.node)
+    gathered = {c.node for c in entering if c.action != "pass"}
+    counterparts = _carried_counterparts(info, route, start_slots)
+    crossings = []
+    for node in sorted(region, key=_topo_index):
+        outside = [u for u in node.users if u not in region]
+        if not outside:
+            continue
+        meta = node.meta.get("tread_meta")
+        if node is stream_end:
+            crossings.append(Crossing(node, "scatter", "token stream", outside, stream_start))
+        elif node in counterparts and counterparts[node] in gathered:
+            crossings.append(
+                Crossing(node, "scatter", "carried token stream", outside, counterparts[node])
+            )
+        elif _is_token_aligned(meta, layout) and meta == stream_start.meta.get("tread_meta"):
+            crossings.append(
+                Crossing(node, "scatter", "stream-shaped value", outside, stream_start)
+            )
+        elif _is_token_aligned(meta, layout) or _holds_token_aligned(meta, layout):
+            users = ", ".join(u.name for u in outside)
+            raise SideInputError(
+                f"value '{node.name}' with shape {getattr(meta, 'shape', meta)} is computed "
+                f"inside route ({route.start}, {route.end}) on the kept tokens only and used "
+                f"after it by {users}, but it has no counterpart at the route start to scatter "
+                "into. Choose a route that does not split it (end the route before it is "
+                "produced or after it is consumed), or pass blocks= to exclude that code."
+            )
+        else:
+            crossings.append(Crossing(node, "pass", "not token-aligned", outside))
+    return crossings
+
+
+def _holds_token_aligned(meta: Any, layout: StreamLayout) -> bool:
+    return isinstance(meta, (tuple, list)) and any(_is_token_aligned(m, layout) for m in meta)
+
+
+def _carried_counterparts(info: StreamInfo, route: Route, start_slots) -> dict[fx.Node, fx.Node]:
+    """Map values that re-enter a carried slot at the route end to that slot at the start."""
+    start = info.blocks[route.start]
+    pairs = {}
+    if route.end < info.depth:
+        end = info.blocks[route.end]
+        if end.list_path == start.list_path:
+            for key, node in input_slots(end.node).items():
+                if key in start_slots and key != start.in_slot:
+                    pairs[node] = start_slots[key]
+    else:
+        last = info.blocks[-1]
+        for out_key, node in output_slots(last.node).items():
+            in_key = info.carried.get(last.list_path, {}).get(out_key)
+            if in_key in start_slots and in_key != start.in_slot:
+                pairs[node] = start_slots[in_key]
+    return pairs
+
+
+def _module_of(block: BlockCall) -> Any:
+    gm = block.node.graph.owning_module
+    return gm.get_submodule(block.node.target) if gm is not None else None
+
+
+def _topo_index(node: fx.Node) -> int:
+    index = node.graph.__dict__.setdefault("_tread_index", {})
+    if node not in index:
+        index.clear()
+        index.update({n: i for i, n in enumerate(node.graph.nodes)})
+    return index[node]
+
+
+def plan_route(
+    gm: fx.GraphModule,
+    info: StreamInfo,
+    route: Route,
+    index: int,
+    strategy: Strategy,
+    grid: tuple[int, int] | None,
+    strict: bool = True,
+) -> RoutePlan:
+    """Plan one (resolved) route on the current graph.
+
+    Args:
+        gm: The traced (possibly already partly rewritten) GraphModule.
+        info: The located stream.
+        route: A resolved route (non-negative, ``start < end <= depth``).
+        index: The route's position among the model's routes.
+        strategy: The selection strategy.
+        grid: Patch grid (H, W) of the routable tokens, when known.
+        strict: Refuse token-aligned-looking values that no rule covers.
+
+    Returns:
+        The :class:`RoutePlan`.
+    """
+    gm.graph.__dict__.pop("_tread_index", None)
+    g = graph_to_networkx(gm.graph)
+    region, stream_start, stream_end = _region(g, info, route)
+    meta = stream_start.meta["tread_meta"]
+    layout = StreamLayout(
+        info.batch_dim,
+        info.token_dim,
+        meta.shape[info.batch_dim],
+        meta.shape[info.token_dim],
+        info.prefix,
+        grid,
+    )
+    start = info.blocks[route.start]
+    entering = _entering(g, (start, stream_start), region, info, layout, strict)
+    leaving = _leaving(region, info, route, (stream_start, stream_end), entering, layout)
+    units = strategy.units(layout.num_tokens - layout.prefix, grid)
+    keep = kept_units(units, route.rate)
+    if keep < 1 or units < 1:
+        raise InvalidRateError(
+            f"route ({route.start}, {route.end}) at rate {route.rate} keeps {keep} of {units} "
+            f"selectable units ({strategy.name}); lower the rate so at least one is kept."
+        )
+    per_unit = (layout.num_tokens - layout.prefix) // units
+    end_block = info.blocks[route.end] if route.end < info.depth else None
+    return RoutePlan(
+        route,
+        index,
+        start,
+        end_block,
+        stream_start,
+        stream_end,
+        region,
+        entering,
+        leaving,
+        layout,
+        units,
+        keep,
+        layout.prefix + keep * per_unit,
+    )

@@ -1,0 +1,152 @@
+"""Pass 4 — rewrite: insert select -> gather before a route and scatter after it.
+
+For each route the graph gets a new input ``tread_noise_<i>`` (uniform noise drawn outside
+the graph), a ``select`` node computing the kept token ids, a gather for every value the plan
+marks as entering, and a scatter (or blend) for every value leaving into its counterpart at
+the route start. The kept ids of every route become extra graph outputs (the route info).
+
+Example:
+    >>> # driven by tread_fx.pipeline.build; see tread_fx.explain for the resulting graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch.fx as fx
+
+from tread_fx.ops import blend_tokens, gather_tokens, scatter_tokens
+from tread_fx.passes.plan import Crossing, RoutePlan
+from tread_fx.passes.trace import TensorMeta
+from tread_fx.selection import Strategy
+
+__all__ = ["rewrite_route", "append_route_outputs", "NOISE_PREFIX", "Reinsert"]
+
+NOISE_PREFIX = "tread_noise_"
+
+
+@dataclasses.dataclass(frozen=True)
+class Reinsert:
+    """How routed-around tokens re-enter the stream at a route's end.
+
+    Attributes:
+        mode: ``"scatter"`` (their value at the route start, the default) or ``"blend"``
+            (``base_weight * start_value + embedded_weight * embedded_input``).
+        base_weight: Weight of the route-start value in blend mode.
+        embedded_weight: Weight of the embedded input (the stream entering block 0).
+    """
+
+    mode: str = "scatter"
+    base_weight: float = 1.0
+    embedded_weight: float = 0.0
+
+
+def _mark(node: fx.Node, meta: Any, role: str, route: int) -> fx.Node:
+    node.meta["tread_meta"] = meta
+    node.meta["tread_role"] = role
+    node.meta["tread_route"] = route
+    return node
+
+
+def _with_tokens(meta: Any, token_dim: int, count: int) -> Any:
+    if not isinstance(meta, TensorMeta):
+        return meta
+    shape = list(meta.shape)
+    shape[token_dim] = count
+    return dataclasses.replace(meta, shape=tuple(shape))
+
+
+def _add_noise_input(graph: fx.Graph, plan: RoutePlan) -> fx.Node:
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    with graph.inserting_after(placeholders[-1]):
+        noise = graph.placeholder(f"{NOISE_PREFIX}{plan.index}")
+    return _mark(noise, None, "noise", plan.index)
+
+
+def _gather(graph: fx.Graph, crossing: Crossing, idx: fx.Node, plan: RoutePlan) -> None:
+    layout = plan.layout
+    first_user = min(crossing.users, key=lambda n: _position(graph, n))
+    with graph.inserting_before(first_user):
+        if crossing.action == "gather":
+            new = graph.call_function(gather_tokens, (crossing.node, idx, layout.token_dim))
+        else:
+            fields = dataclasses.asdict(layout)
+            new = graph.call_function(crossing.action, (crossing.node, idx), fields)
+    meta = crossing.node.meta.get("tread_meta")
+    _mark(new, _with_tokens(meta, layout.token_dim, plan.kept_tokens), "gather", plan.index)
+    for user in crossing.users:
+        user.replace_input_with(crossing.node, new)
+
+
+def _scatter(
+    graph: fx.Graph,
+    crossing: Crossing,
+    idx: fx.Node,
+    plan: RoutePlan,
+    reinsert: Reinsert,
+    embedded: fx.Node | None,
+) -> None:
+    token_dim = plan.layout.token_dim
+    with graph.inserting_after(crossing.node):
+        if reinsert.mode == "blend" and crossing.reason == "token stream":
+            args = (crossing.counterpart, crossing.node, idx, embedded)
+            weights = (reinsert.base_weight, reinsert.embedded_weight, token_dim)
+            new = graph.call_function(blend_tokens, args + weights)
+        else:
+            args = (crossing.counterpart, crossing.node, idx, token_dim)
+            new = graph.call_function(scatter_tokens, args)
+    _mark(new, crossing.counterpart.meta.get("tread_meta"), "scatter", plan.index)
+    for user in crossing.users:
+        user.replace_input_with(crossing.node, new)
+
+
+def _position(graph: fx.Graph, node: fx.Node) -> int:
+    for i, n in enumerate(graph.nodes):
+        if n is node:
+            return i
+    raise ValueError(node)
+
+
+def rewrite_route(
+    gm: fx.GraphModule,
+    plan: RoutePlan,
+    strategy: Strategy,
+    reinsert: Reinsert = Reinsert(),
+    embedded: fx.Node | None = None,
+) -> fx.Node:
+    """Insert the nodes of one route into ``gm.graph`` in place.
+
+    Args:
+        gm: The GraphModule being rewritten.
+        plan: The route's plan (made on the current graph).
+        strategy: The selection strategy whose ``select`` computes the kept ids.
+        reinsert: How routed-around tokens re-enter.
+        embedded: The embedded input (stream entering block 0), needed for blend mode.
+
+    Returns:
+        The node holding the kept token ids [B, k] of this route.
+    """
+    graph = gm.graph
+    noise = _add_noise_input(graph, plan)
+    with graph.inserting_before(plan.start_block.node):
+        kwargs = {"keep": plan.keep_units, "prefix": plan.layout.prefix, "grid": plan.layout.grid}
+        idx = graph.call_function(strategy.select, (noise,), kwargs)
+    _mark(idx, None, "select", plan.index)
+    for crossing in plan.entering:
+        if crossing.action != "pass":
+            _gather(graph, crossing, idx, plan)
+    for crossing in plan.leaving:
+        if crossing.action == "scatter":
+            _scatter(graph, crossing, idx, plan, reinsert, embedded)
+    return idx
+
+
+def append_route_outputs(gm: fx.GraphModule, idx_nodes: list[fx.Node]) -> int:
+    """Append the routes' kept ids to the graph outputs; return the model's output count."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    model_outputs = tuple(output.args[0])
+    output.args = (model_outputs + tuple(idx_nodes),)
+    gm.graph.lint()
+    gm.recompile()
+    return len(model_outputs)

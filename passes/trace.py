@@ -1,0 +1,485 @@
+"""Pass 1 — trace: turn a model call into a GraphModule, resolving shape-derived Python.
+
+Plain ``torch.fx.symbolic_trace`` fails on most real models because their forwards contain
+Python that reads shapes (``if x.shape[1] == ...``, ``int(N ** 0.5)``). The tracer here runs the
+real computation beside the symbolic one: every proxy carries the value the eager forward
+would have, so such Python resolves exactly as it does eagerly. The signature guard in
+``tread_fx`` (one trace per input shapes/dtypes/devices/non-tensor arguments) covers the
+specialisation.
+
+Only shape-derived values may be resolved. Python that reads tensor *data* (``bool(t)``,
+``.item()``, ``torch.equal``) or Python-level randomness (``random.random()``) raises
+:class:`DataDependentError`; the submodule in which it happened becomes a leaf (auto-leaf)
+and the trace is retried. When it happens in the model's own ``forward`` the trace is refused
+with the file and line.
+
+Example:
+    >>> import torch
+    >>> from tread_fx.passes.trace import trace_call
+    >>> lin = torch.nn.Linear(4, 4)
+    >>> traced = trace_call(lin, (torch.randn(2, 4),), {}, leaf_paths=set())
+    >>> [n.op for n in traced.gm.graph.nodes]
+    ['placeholder', 'call_module', 'output']
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import operator
+import os
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.fx._symbolic_trace import _orig_module_call
+from torch.fx.proxy import Attribute
+from torch.utils import _pytree as pytree
+
+from tread_fx.errors import UntraceableModelError
+from tread_fx.registry import leaf_functions, leaf_modules
+
+__all__ = ["TracedCall", "DataDependentError", "FlatCall", "trace_call", "MODEL_PREFIX"]
+
+MODEL_PREFIX = "model."
+_MAX_AUTO_LEAVES = 64
+_METADATA_ATTRS = frozenset(
+    {"shape", "dtype", "device", "ndim", "is_cuda", "requires_grad", "layout", "is_sparse"}
+)
+_METADATA_METHODS = frozenset(
+    {"size", "dim", "numel", "ndimension", "nelement", "is_floating_point", "is_complex",
+     "element_size", "is_contiguous", "get_device", "stride"}
+)  # fmt: skip
+_DATA_METHODS = frozenset({"item", "tolist", "numpy", "__bool__", "__int__", "__float__"})
+_PYTHON_RANDOM = ("random", "uniform", "randint", "randrange", "choice", "sample", "shuffle")
+
+
+class DataDependentError(Exception):
+    """Python read tensor data (or drew Python random numbers) while being traced."""
+
+    def __init__(self, what: str, module_path: str | None, where: str) -> None:
+        super().__init__(f"{what} at {where}")
+        self.what = what
+        self.module_path = module_path
+        self.where = where
+
+
+class _EagerFailure(Exception):
+    """The model's own code failed on real values: re-raised unchanged to the user."""
+
+    def __init__(self, original: BaseException) -> None:
+        super().__init__(str(original))
+        self.original = original
+
+
+def _user_frame() -> str:
+    """Return ``file:line`` of the innermost frame outside torch and tread_fx."""
+    import tread_fx
+
+    skip = (
+        os.path.dirname(torch.__file__) + os.sep,
+        os.path.dirname(os.path.abspath(__file__)) + os.sep,
+        os.path.dirname(os.path.abspath(tread_fx.__file__)) + os.sep,
+    )
+    for frame_info in inspect.stack()[2:]:
+        filename = os.path.abspath(frame_info.filename)
+        if not filename.startswith(skip) and "contextlib" not in filename:
+            return f"{frame_info.filename}:{frame_info.lineno}"
+    return "<unknown location>"
+
+
+class ValueProxy(fx.Proxy):
+    """A proxy that also knows the value the eager forward computes at this point."""
+
+    @property
+    def value(self) -> Any:
+        return self.tracer.value_of(self)
+
+    def _concrete(self, what: str) -> Any:
+        return self.tracer.concrete(self, what)
+
+    def __bool__(self) -> bool:
+        return bool(self._concrete("bool()"))
+
+    def __int__(self) -> int:
+        return int(self._concrete("int()"))
+
+    def __index__(self) -> int:
+        return operator.index(self._concrete("an index"))
+
+    def __float__(self) -> float:
+        return float(self._concrete("float()"))
+
+    def __len__(self) -> int:
+        return len(self.tracer.structure(self, "len()"))
+
+    def __iter__(self) -> Iterator[fx.Proxy]:
+        value = self.tracer.structure(self, "iteration")
+        for i in range(len(value)):
+            yield self[i]
+
+    def __contains__(self, item: Any) -> bool:
+        return item in self.tracer.structure(self, "`in`")
+
+    def keys(self) -> Any:
+        return self.tracer.structure(self, "keys()").keys()
+
+    def __getattr__(self, name: str) -> ValueAttribute:
+        return ValueAttribute(self, name)
+
+
+class ValueAttribute(ValueProxy, Attribute):
+    """Lazy attribute access (``x.shape``, ``x.view``) that also carries its value."""
+
+
+@dataclass
+class TracedCall:
+    """The result of tracing one call signature.
+
+    Attributes:
+        gm: GraphModule rooted at a :class:`FlatCall` wrapper; module targets start with
+            ``model.``. Call it through ``forward_fn(wrapper, *tensors)``.
+        wrapper: The :class:`FlatCall` whose ``model`` child is the live model.
+        in_spec: Pytree spec of ``(args, kwargs)`` of the traced call.
+        tensor_positions: Indices of the tensor leaves among the flattened inputs.
+        out_spec: Pytree spec of the model's return value.
+        auto_leaves: Paths of submodules made leaves because they could not be traced,
+            with the reason.
+        meta: Per-node shape metadata (``TensorMeta`` or a Python value), by node name.
+    """
+
+    gm: fx.GraphModule
+    wrapper: FlatCall
+    in_spec: pytree.TreeSpec
+    tensor_positions: tuple[int, ...]
+    out_spec: pytree.TreeSpec
+    auto_leaves: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Shape, dtype and device of a tensor seen at trace time."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+
+def _meta_of(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return TensorMeta(tuple(value.shape), value.dtype, value.device)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_meta_of(v) for v in value) if type(value) in (tuple, list) else None
+    return value if isinstance(value, (int, float, bool, str, type(None))) else None
+
+
+class FlatCall(nn.Module):
+    """Calls ``model``'s original forward from a flat tuple of tensors.
+
+    Non-tensor arguments are constants of one trace (they are part of the signature key).
+    """
+
+    def __init__(self, model: nn.Module, in_spec: pytree.TreeSpec, leaves: list[Any]) -> None:
+        super().__init__()
+        self.model = model
+        self.in_spec = in_spec
+        self.const_leaves = [None if isinstance(v, torch.Tensor) else v for v in leaves]
+        self.tensor_positions = tuple(
+            i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)
+        )
+        self.out_spec: pytree.TreeSpec | None = None
+
+    def call_model(self, tensors: tuple[Any, ...]) -> tuple[Any, ...]:
+        leaves = list(self.const_leaves)
+        for pos, tensor in zip(self.tensor_positions, tensors):
+            leaves[pos] = tensor
+        args, kwargs = pytree.tree_unflatten(leaves, self.in_spec)
+        out = type(self.model).forward(self.model, *args, **kwargs)
+        flat_out, self.out_spec = pytree.tree_flatten(out)
+        return tuple(flat_out)
+
+
+def _flat_forward(num_tensors: int):
+    """Build ``forward(self, t0, ..., tn)``: fx needs real named parameters to trace."""
+    names = [f"t{i}" for i in range(num_tensors)]
+    params = ", ".join(["self", *names])
+    body = f"    return self.call_model(({', '.join(names)}{',' if len(names) == 1 else ''}))\n"
+    namespace: dict[str, Any] = {}
+    exec(f"def forward({params}):\n{body}", namespace)  # noqa: S102 - generated signature only
+    return namespace["forward"]
+
+
+class ValueTracer(fx.Tracer):
+    """An fx tracer whose proxies carry the eager values (see module docstring)."""
+
+    def __init__(self, leaf_paths: set[str], example: dict[str, Any]) -> None:
+        super().__init__(autowrap_functions=leaf_functions(), param_shapes_constant=False)
+        self.leaf_paths = leaf_paths
+        self.example = example
+        self.values: dict[fx.Node, Any] = {}
+        self.tainted: set[fx.Node] = set()
+        self.module_stack: list[str] = []
+        self.running_eager = 0
+
+    # -- values -----------------------------------------------------------------------------
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return ValueProxy(node, self)
+
+    def value_of(self, proxy: fx.Proxy) -> Any:
+        if isinstance(proxy, Attribute) and proxy._node is None:
+            return getattr(self.value_of(proxy.root), proxy.attr)
+        return self.values[proxy.node]
+
+    def _values(self, tree: Any) -> Any:
+        return fx.node.map_aggregate(
+            tree, lambda a: self.value_of(a) if isinstance(a, fx.Proxy) else a
+        )
+
+    def concrete(self, proxy: fx.Proxy, what: str) -> Any:
+        """Return a proxy's Python value if it is shape-derived, else refuse."""
+        value = self.value_of(proxy)
+        if isinstance(value, torch.Tensor) or proxy.node in self.tainted:
+            raise DataDependentError(
+                f"{what} of a value computed from tensor data",
+                self.module_stack[-1] if self.module_stack else None,
+                _user_frame(),
+            )
+        return value
+
+    def structure(self, proxy: fx.Proxy, what: str) -> Any:
+        """Return a value whose length/iteration is needed; tensors iterate over dim 0 shape."""
+        value = self.value_of(proxy)
+        if proxy.node in self.tainted:
+            self.concrete(proxy, what)
+        return value
+
+    def _run(self, kind: str, target: Any, args: tuple, kwargs: dict) -> Any:
+        args, kwargs = self._values(args), self._values(kwargs)
+        self.running_eager += 1
+        try:
+            if kind == "call_function":
+                return target(*args, **kwargs)
+            if kind == "call_method":
+                return getattr(args[0], target)(*args[1:], **kwargs)
+            if kind == "call_module":
+                return _orig_module_call(self.root.get_submodule(target), *args, **kwargs)
+            if kind == "get_attr":
+                return _fetch_attr(self.root, target)
+        except DataDependentError:
+            raise
+        except Exception as err:  # the model's own code failed on real values
+            raise _EagerFailure(err) from err
+        finally:
+            self.running_eager -= 1
+        raise AssertionError(f"unexpected node kind {kind}")
+
+    def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, **extra):
+        if kind == "call_method" and target in _DATA_METHODS:
+            raise DataDependentError(
+                f"Tensor.{target}()",
+                self.module_stack[-1] if self.module_stack else None,
+                _user_frame(),
+            )
+        if kind == "placeholder":
+            value = self.example[target]
+        else:
+            value = self._run(kind, target, args, kwargs)
+        proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, **extra)
+        node = proxy.node
+        self.values[node] = value
+        node.meta["tread_meta"] = _meta_of(value)
+        if self._is_tainted(kind, target, node, value):
+            self.tainted.add(node)
+        return proxy
+
+    def _is_tainted(self, kind: str, target: Any, node: fx.Node, value: Any) -> bool:
+        if isinstance(value, torch.Tensor) or kind not in ("call_function", "call_method"):
+            return False
+        inputs = node.all_input_nodes
+        if any(n in self.tainted for n in inputs):
+            return True
+        if not any(isinstance(self.values.get(n), torch.Tensor) for n in inputs):
+            return False
+        if kind == "call_method":
+            return target not in _METADATA_METHODS
+        if target is getattr:
+            return node.args[1] not in _METADATA_ATTRS
+        return target not in (len, torch.numel, operator.getitem)
+
+    # -- modules ----------------------------------------------------------------------------
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if module_qualified_name in self.leaf_paths or isinstance(m, leaf_modules()):
+            return True
+        return super().is_leaf_module(m, module_qualified_name)
+
+    def call_module(self, m: nn.Module, forward, args: tuple, kwargs: dict) -> Any:
+        if self.running_eager:
+            return forward(*args, **kwargs)
+        path = self.path_of_module(m)
+        if self.is_leaf_module(m, path):
+            return self.create_proxy("call_module", path, args, kwargs)
+        self.module_stack.append(path)
+        try:
+            return forward(*args, **kwargs)
+        except (DataDependentError, _EagerFailure):
+            raise
+        except Exception as err:  # remember the innermost module that failed to trace
+            if getattr(err, "tread_module_path", None) is None:
+                err.tread_module_path = path
+            raise
+        finally:
+            self.module_stack.pop()
+
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict) -> Any:
+        if self.running_eager:
+            return attr_val
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
+
+
+def _fetch_attr(root: nn.Module, target: str) -> Any:
+    obj: Any = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+@contextlib.contextmanager
+def _refuse_python_random(tracer: ValueTracer) -> Iterator[None]:
+    """Make Python-level random draws made by traced (not eager) code refuse to be baked in."""
+    originals = {name: getattr(random, name) for name in _PYTHON_RANDOM}
+
+    def guard(name: str):
+        def draw(*args: Any, **kwargs: Any) -> Any:
+            if not tracer.running_eager:
+                stack = tracer.module_stack
+                raise DataDependentError(
+                    f"Python-level randomness (random.{name})",
+                    stack[-1] if stack else None,
+                    _user_frame(),
+                )
+            return originals[name](*args, **kwargs)
+
+        return draw
+
+    try:
+        for name in _PYTHON_RANDOM:
+            setattr(random, name, guard(name))
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(random, name, fn)
+
+
+@contextlib.contextmanager
+def _checkpoint_as_plain_call() -> Iterator[None]:
+    """Trace blocks called through activation checkpointing as plain calls.
+
+    ``torch.utils.checkpoint.checkpoint(block, *args)`` and diffusers'
+    ``self._gradient_checkpointing_func(block, *args)`` become ``block(*args)`` while
+    tracing, so the blocks are seen; the rewrite pass restores checkpointing on them.
+    """
+    import torch.utils.checkpoint as ckpt
+
+    original = ckpt.checkpoint
+
+    def plain(function, *args, use_reentrant=None, **kwargs):
+        kwargs.pop("preserve_rng_state", None)
+        kwargs.pop("determinism_check", None)
+        kwargs.pop("debug", None)
+        kwargs.pop("context_fn", None)
+        return function(*args, **kwargs)
+
+    ckpt.checkpoint = plain
+    try:
+        yield
+    finally:
+        ckpt.checkpoint = original
+
+
+def _snapshot_buffers(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(b, b.detach().clone()) for b in model.buffers()]
+
+
+def trace_call(model: nn.Module, args: tuple, kwargs: dict, leaf_paths: set[str]) -> TracedCall:
+    """Trace ``model(*args, **kwargs)`` into a GraphModule with tensor-only inputs.
+
+    Submodules whose code cannot be traced become leaves automatically (at most 64).
+    The trace runs the real computation once without gradients; RNG state and buffers
+    (e.g. BatchNorm statistics) are restored afterwards, so tracing changes nothing.
+
+    Args:
+        model: The model; its class ``forward`` is traced (not an instance override).
+        args: Positional arguments of the call.
+        kwargs: Keyword arguments of the call.
+        leaf_paths: Module paths (relative to ``model``) to keep as single calls.
+
+    Returns:
+        The :class:`TracedCall`.
+
+    Raises:
+        UntraceableModelError: when the model's own forward reads tensor data.
+    """
+    flat, in_spec = pytree.tree_flatten((args, kwargs))
+    auto_leaves: dict[str, str] = {}
+    while True:
+        tensors = [leaf for leaf in flat if isinstance(leaf, torch.Tensor)]
+        wrapper_cls = type("FlatCall", (FlatCall,), {"forward": _flat_forward(len(tensors))})
+        wrapper = wrapper_cls(model, in_spec, flat)
+        example = {f"t{i}": t.detach().clone() for i, t in enumerate(tensors)}
+        paths = {MODEL_PREFIX + p for p in leaf_paths | set(auto_leaves)}
+        tracer = ValueTracer(paths, example)
+        try:
+            graph = _trace_restoring_state(tracer, wrapper, model, tensors)
+            break
+        except _EagerFailure as failure:
+            raise failure.original from None
+        except DataDependentError as err:
+            if err.module_path is None or len(auto_leaves) >= _MAX_AUTO_LEAVES:
+                raise _untraceable(model, err) from None
+            auto_leaves[err.module_path[len(MODEL_PREFIX) :]] = f"{err.what} at {err.where}"
+        except Exception as err:  # fx limitation inside a submodule: make it a leaf
+            path = getattr(err, "tread_module_path", None)
+            if path is None or len(auto_leaves) >= _MAX_AUTO_LEAVES:
+                where = _traceback_location(err)
+                raise _untraceable(model, DataDependentError(str(err), None, where)) from None
+            auto_leaves[path[len(MODEL_PREFIX) :]] = f"{type(err).__name__}: {err}"
+    gm = fx.GraphModule(wrapper, graph, class_name=type(model).__name__ + "Traced")
+    return TracedCall(gm, wrapper, in_spec, wrapper.tensor_positions, wrapper.out_spec, auto_leaves)
+
+
+def _trace_restoring_state(
+    tracer: ValueTracer, wrapper: FlatCall, model: nn.Module, tensors: list[torch.Tensor]
+) -> fx.Graph:
+    devices = sorted({t.device.index for t in tensors if t.device.type == "cuda"})
+    buffers = _snapshot_buffers(model)
+    try:
+        with (
+            torch.random.fork_rng(devices=devices),
+            torch.no_grad(),
+            _refuse_python_random(tracer),
+            _checkpoint_as_plain_call(),
+        ):
+            return tracer.trace(wrapper)
+    finally:
+        with torch.no_grad():
+            for live, saved in buffers:
+                live.copy_(saved)
+
+
+def _traceback_location(err: BaseException) -> str:
+    frames = [f for f in inspect.getinnerframes(err.__traceback__) if "torch" not in f.filename]
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "<unknown location>"
+
+
+def _untraceable(model: nn.Module, err: DataDependentError) -> UntraceableModelError:
+    return UntraceableModelError(
+        f"cannot trace {type(model).__name__}.forward: {err.what} at {err.where}. "
+        "Only shape-derived Python can be resolved while tracing; code in the model's own "
+        "forward that branches on tensor data or draws Python random numbers cannot be "
+        "routed safely. Move that code into a submodule and register it with "
+        "tread_fx.register_leaf_module (or the function with tread_fx.register_leaf_function)."
+    )

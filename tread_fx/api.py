@@ -1,0 +1,351 @@
+"""``route()`` / ``unroute()``: TREAD token routing, in place, for training only.
+
+Example:
+    >>> import torch, tread_fx
+    >>> model = tread_fx.models.DiT_S_2(input_size=8, in_channels=1, num_classes=10, depth=4)
+    >>> _ = tread_fx.route(model, routes=[(1, 3)], rate=0.5, seed=0)
+    >>> x, t, y = torch.randn(2, 1, 8, 8), torch.rand(2), torch.tensor([3, 4])
+    >>> model.train()(x, t, y).shape                  # routed graph
+    torch.Size([2, 2, 8, 8])
+    >>> tread_fx.route_info(model)[0].kept.shape      # 16 tokens, 8 kept
+    torch.Size([2, 8])
+    >>> _ = model.eval()(x, t, y)                     # the original forward
+    >>> tread_fx.unroute(model) is model
+    True
+"""
+
+from __future__ import annotations
+
+import copy
+import types
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from tread_fx.errors import (
+    AlreadyRoutedError,
+    NotRoutedError,
+    RoutedGraphError,
+    TreadFxError,
+    WrappedModelError,
+)
+from tread_fx.ops import routed_mask
+from tread_fx.passes.locate import candidate_stacks, resolve_block_lists
+from tread_fx.passes.rewrite import Reinsert
+from tread_fx.pipeline import Built, RoutingConfig, build
+from tread_fx.routes import Route, parse_routes, resolve_routes
+from tread_fx.selection import get_strategy
+
+__all__ = ["route", "unroute", "route_info", "is_routed", "routed_graphs", "RouteInfo"]
+
+_STATE = "_tread_fx"
+_MAX_TRACES = 8
+
+
+@dataclass
+class RouteInfo:
+    """What one route did in the last routed training call.
+
+    Attributes:
+        route: The resolved route (start, end, rate).
+        kept: Kept token ids [B, k], ascending (prefix tokens included).
+        num_tokens: Token count N of the stream at the route start.
+        prefix: Leading tokens never routed (cls/registers).
+        grid: Patch grid (H, W) of the routable tokens, when known.
+    """
+
+    route: Route
+    kept: torch.Tensor
+    num_tokens: int
+    prefix: int
+    grid: tuple[int, int] | None
+
+    @property
+    def routed_mask(self) -> torch.Tensor:
+        """Bool [B, N]: True for tokens routed around the blocks."""
+        return routed_mask(self.kept, self.num_tokens)
+
+
+@dataclass
+class _Entry:
+    built: Built
+    fn: Callable
+    noise_shapes: list[tuple[int, ...]]
+    checked: bool = False
+
+
+class _RoutingState:
+    """Per-model routing state, kept in ``model.__dict__`` (not a submodule or buffer)."""
+
+    def __init__(self, config: RoutingConfig, seed: int | None, compile: bool | dict) -> None:
+        self.config = config
+        self.seed = seed
+        self.compile = compile
+        self.entries: OrderedDict[Any, _Entry] = OrderedDict()
+        self.generators: dict[torch.device, torch.Generator] = {}
+        self.last_info: list[RouteInfo] | None = None
+
+    def __deepcopy__(self, memo: dict) -> _RoutingState:
+        clone = _RoutingState(copy.deepcopy(self.config, memo), self.seed, self.compile)
+        for device, gen in self.generators.items():
+            clone.generators[device] = torch.Generator(device).set_state(gen.get_state())
+        return clone
+
+    # -- noise ------------------------------------------------------------------------------
+    def _noise(self, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        if self.seed is None:
+            return torch.rand(shape, device=device)
+        gen = self.generators.get(device)
+        if gen is None:
+            gen = self.generators[device] = torch.Generator(device).manual_seed(self.seed)
+        return torch.rand(shape, device=device, generator=gen)
+
+    # -- calls ------------------------------------------------------------------------------
+    def call(self, model: nn.Module, args: tuple, kwargs: dict) -> Any:
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        key = _signature(model, spec, flat)
+        entry = self.entries.get(key)
+        if entry is None:
+            entry = self.entries[key] = self._build(model, args, kwargs)
+            while len(self.entries) > _MAX_TRACES:
+                self.entries.popitem(last=False)
+        self.entries.move_to_end(key)
+        tensors = [flat[i] for i in entry.built.traced.tensor_positions]
+        device = tensors[0].device if tensors else torch.device("cpu")
+        noises = [self._noise(s, device) for s in entry.noise_shapes]
+        out = self._run(entry, tensors, noises)
+        n = entry.built.num_model_outputs
+        self.last_info = [
+            RouteInfo(
+                plan.route, kept, plan.layout.num_tokens, plan.layout.prefix, plan.layout.grid
+            )
+            for plan, kept in zip(entry.built.plans, out[n:])
+        ]
+        return pytree.tree_unflatten(list(out[:n]), entry.built.traced.out_spec)
+
+    def _run(self, entry: _Entry, tensors: list, noises: list) -> tuple:
+        if entry.checked:
+            return entry.fn(entry.built.traced.wrapper, *tensors, *noises)
+        try:
+            out = entry.fn(entry.built.traced.wrapper, *tensors, *noises)
+        except TreadFxError:
+            raise
+        except Exception as err:
+            raise RoutedGraphError(
+                f"the routed graph failed on its first call ({type(err).__name__}: {err}), "
+                "while the original forward traced fine. A block or the code between blocks "
+                "probably depends on the token count (e.g. a fixed reshape); use "
+                "selection='rows' for grid-shaped blocks, a route that avoids that code, or "
+                "tread_fx.explain(...) to see the rewritten graph."
+            ) from err
+        entry.checked = True
+        return out
+
+    def _build(self, model: nn.Module, args: tuple, kwargs: dict) -> _Entry:
+        built = build(model, args, kwargs, self.config)
+        fn = type(built.gm).forward
+        if self.compile:
+            options = self.compile if isinstance(self.compile, dict) else {}
+            fn = torch.compile(fn, **{"fullgraph": True, "dynamic": False, **options})
+        return _Entry(built, fn, [(p.layout.batch_size, p.units) for p in built.plans])
+
+
+def _hashable(value: Any) -> Any:
+    try:
+        hash(value)
+        return value
+    except TypeError:
+        return ("unhashable", type(value).__qualname__, id(value))
+
+
+def _signature(model: nn.Module, spec: pytree.TreeSpec, flat: list) -> tuple:
+    leaves = tuple(
+        (tuple(v.shape), v.dtype, v.device) if isinstance(v, torch.Tensor) else _hashable(v)
+        for v in flat
+    )
+    modes = tuple(m.training for m in model.modules())
+    autocast = tuple(
+        (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
+    )
+    return spec, leaves, modes, autocast
+
+
+def _routed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    if not self.training:
+        return type(self).forward(self, *args, **kwargs)
+    return self.__dict__[_STATE].call(self, args, kwargs)
+
+
+def _check_unwrapped(model: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise WrappedModelError(
+            f"route() expects an nn.Module, got {type(model).__name__}; pass the model itself."
+        )
+    wrappers = {
+        "DistributedDataParallel": "model.module",
+        "DataParallel": "model.module",
+        "FullyShardedDataParallel": "the unwrapped module",
+        "OptimizedModule": "model._orig_mod",
+    }
+    name = type(model).__name__
+    if name in wrappers:
+        raise WrappedModelError(
+            f"route() was given a {name} wrapper; route the model first, then wrap it "
+            f"(route -> DDP/FSDP/torch.compile). To route this one, pass {wrappers[name]}."
+        )
+
+
+def _check_depth_up_front(model: nn.Module, config: RoutingConfig) -> None:
+    """Validate routes against the block stack when it is known without tracing."""
+    paths = resolve_block_lists(model, config.blocks)
+    if config.blocks is None:
+        stacks = candidate_stacks(model)
+        if not stacks:
+            from tread_fx.errors import BlockStackNotFoundError
+
+            raise BlockStackNotFoundError(
+                f"{type(model).__name__} has no ModuleList/Sequential of same-class modules to "
+                "route around; pass blocks='<attribute path>' naming the block container."
+            )
+        longest = max(len(m) for m in stacks.values())
+        paths = [p for p, m in stacks.items() if len(m) == longest]
+        if len(paths) > 1:
+            return  # decided by data flow at trace time
+    depth = sum(len(model.get_submodule(p)) for p in paths)
+    resolve_routes(config.routes, depth, config.rate)
+
+
+def route(
+    model: nn.Module,
+    routes: Any,
+    rate: float = 0.5,
+    *,
+    selection: str = "random",
+    blocks: str | Sequence[str] | nn.Module | None = None,
+    keep_prefix: int | None = None,
+    seed: int | None = None,
+    compile: bool | dict = False,
+    example_inputs: tuple | None = None,
+    strict: bool = True,
+    grid: tuple[int, int] | None = None,
+    reinsert: Reinsert | None = None,
+    reroute: bool = False,
+) -> nn.Module:
+    """Make ``model`` train with TREAD token routing, in place.
+
+    In training mode the model runs a rewritten graph in which blocks ``start .. end-1`` of
+    each route see only the kept tokens; in eval mode it runs its original forward. The model
+    keeps its class, methods, parameters and state_dict keys.
+
+    Args:
+        model: The unwrapped model (route first, then wrap in DDP/FSDP/torch.compile).
+        routes: ``(start, end)``, ``(start, end, rate)``, :class:`Route`, the authors' dict
+            (inclusive ``end_layer_idx``), or a list of those. Half-open, negatives allowed.
+        rate: Fraction of tokens routed around (default 0.5, the paper's best).
+        selection: ``"random"`` (uniform tokens) or ``"rows"`` (whole patch-grid rows).
+        blocks: Path(s) of the block container(s) when auto-detection should not decide.
+        keep_prefix: Leading tokens never routed; ``None`` detects cls/register tokens.
+        seed: Seed of a per-device generator for the selections (``None``: global RNG).
+        compile: ``True`` (or ``torch.compile`` kwargs) to compile each routed graph.
+        example_inputs: ``(args, kwargs)`` or ``args`` to trace now instead of lazily.
+        strict: Refuse side values that look token-aligned but match no adapter.
+        grid: Patch grid (H, W) for ``selection="rows"`` when it cannot be discovered.
+        reinsert: How routed-around tokens re-enter (default: unchanged, scatter).
+        reroute: Allow routing an already routed model (replaces its routing).
+
+    Returns:
+        ``model`` itself.
+
+    Example:
+        >>> import tread_fx
+        >>> model = tread_fx.models.DiT_S_2(input_size=8, in_channels=1, num_classes=10)
+        >>> tread_fx.route(model, routes=[(2, 8)], rate=0.5) is model
+        True
+    """
+    _check_unwrapped(model)
+    if is_routed(model):
+        if not reroute:
+            raise AlreadyRoutedError(
+                f"{type(model).__name__} is already routed; call tread_fx.unroute(model) "
+                "first, or pass reroute=True to replace its routing."
+            )
+        unroute(model)
+    get_strategy(selection)
+    config = RoutingConfig(
+        parse_routes(routes, rate),
+        rate,
+        selection,
+        blocks,
+        keep_prefix,
+        grid,
+        strict,
+        reinsert or Reinsert(),
+    )
+    _check_depth_up_front(model, config)
+    state = _RoutingState(config, seed, compile)
+    if example_inputs is not None:
+        args, kwargs = _split_example(example_inputs)
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        was_training = [m.training for m in model.modules()]
+        model.train()
+        state.entries[_signature(model, spec, flat)] = state._build(model, args, kwargs)
+        for m, mode in zip(model.modules(), was_training):
+            m.training = mode
+    model.__dict__[_STATE] = state
+    model.__dict__["forward"] = types.MethodType(_routed_forward, model)
+    return model
+
+
+def _split_example(example: Any) -> tuple[tuple, dict]:
+    if isinstance(example, tuple) and len(example) == 2 and isinstance(example[1], dict):
+        return tuple(example[0]), example[1]
+    return (tuple(example) if isinstance(example, (tuple, list)) else (example,)), {}
+
+
+def is_routed(model: nn.Module) -> bool:
+    """Whether ``route()`` was applied to ``model`` (and not undone)."""
+    return _STATE in getattr(model, "__dict__", {})
+
+
+def _state(model: nn.Module, what: str) -> _RoutingState:
+    if not is_routed(model):
+        raise NotRoutedError(
+            f"{what}() was called on a {type(model).__name__} that is not routed; call "
+            "tread_fx.route(model, routes=...) first."
+        )
+    return model.__dict__[_STATE]
+
+
+def unroute(model: nn.Module) -> nn.Module:
+    """Undo ``route()``: the model is exactly as before (same forward, no extra state).
+
+    Example:
+        >>> import tread_fx
+        >>> m = tread_fx.route(tread_fx.models.DiT_S_2(input_size=8, depth=4), [(1, 3)])
+        >>> tread_fx.is_routed(tread_fx.unroute(m))
+        False
+    """
+    _state(model, "unroute")
+    del model.__dict__[_STATE]
+    model.__dict__.pop("forward", None)
+    return model
+
+
+def route_info(model: nn.Module) -> list[RouteInfo] | None:
+    """Per-route info of the last routed training call (``None`` before the first).
+
+    Example:
+        >>> import tread_fx
+        >>> tread_fx.route_info(tread_fx.route(tread_fx.models.DiT_S_2(depth=4), [(1, 3)]))
+    """
+    return _state(model, "route_info").last_info
+
+
+def routed_graphs(model: nn.Module) -> list[Built]:
+    """The pipeline results cached for a routed model, most recently used last."""
+    return [entry.built for entry in _state(model, "routed_graphs").entries.values()]

@@ -1,0 +1,73 @@
+"""Runtime ops that the rewrite pass inserts into routed graphs.
+
+They are plain functions of tensors (no Python-level randomness, no data-dependent Python),
+so ``torch.compile(fullgraph=True)`` compiles them without graph breaks.
+
+Example:
+    >>> import torch
+    >>> from tread_fx.ops import gather_tokens, scatter_tokens
+    >>> x = torch.arange(12.0).view(1, 6, 2)
+    >>> idx = torch.tensor([[1, 4]])
+    >>> gather_tokens(x, idx)[0, :, 0].tolist()
+    [2.0, 8.0]
+    >>> scatter_tokens(x, torch.zeros(1, 2, 2), idx)[0, :, 0].tolist()
+    [0.0, 0.0, 4.0, 6.0, 0.0, 10.0]
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["gather_tokens", "scatter_tokens", "blend_tokens", "routed_mask"]
+
+
+def _token_index(idx: torch.Tensor, like: torch.Tensor, token_dim: int) -> torch.Tensor:
+    """Lay ``idx`` [B, k] out along (batch, token) dims of ``like`` and expand the rest."""
+    if token_dim == 0:
+        idx = idx.transpose(0, 1)
+    shape = list(like.shape)
+    shape[token_dim] = idx.shape[token_dim]
+    view = list(idx.shape) + [1] * (like.dim() - 2)
+    return idx.reshape(view).expand(shape)
+
+
+def gather_tokens(x: torch.Tensor, idx: torch.Tensor, token_dim: int = 1) -> torch.Tensor:
+    """Keep the tokens ``idx`` [B, k] of ``x`` [B, N, ...] (or [N, B, ...] with token_dim 0)."""
+    return torch.gather(x, token_dim, _token_index(idx, x, token_dim))
+
+
+def scatter_tokens(
+    base: torch.Tensor, src: torch.Tensor, idx: torch.Tensor, token_dim: int = 1
+) -> torch.Tensor:
+    """Write ``src`` [B, k, ...] into a copy of ``base`` [B, N, ...] at tokens ``idx``.
+
+    Out of place: the routed-around tokens of the result are ``base``'s and get gradient
+    through it (the identity skip); the dtype is the promotion of both.
+    """
+    dtype = torch.promote_types(base.dtype, src.dtype)
+    index = _token_index(idx, src, token_dim)
+    return base.to(dtype).scatter(token_dim, index, src.to(dtype))
+
+
+def blend_tokens(
+    base: torch.Tensor,
+    src: torch.Tensor,
+    idx: torch.Tensor,
+    embedded: torch.Tensor,
+    base_weight: float,
+    embedded_weight: float,
+    token_dim: int = 1,
+) -> torch.Tensor:
+    """Like :func:`scatter_tokens`, but routed-around tokens re-enter as a blend.
+
+    Routed-around tokens become ``base_weight * base + embedded_weight * embedded`` (the
+    paper's first-release re-entry; ``embedded`` is the stream as the patch embedding left
+    it); processed tokens are ``src``.
+    """
+    return scatter_tokens(base_weight * base + embedded_weight * embedded, src, idx, token_dim)
+
+
+def routed_mask(idx: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """Return a bool [B, N] mask, True for tokens NOT in ``idx`` (the routed-around ones)."""
+    mask = torch.ones(idx.shape[0], num_tokens, dtype=torch.bool, device=idx.device)
+    return mask.scatter(1, idx, False)

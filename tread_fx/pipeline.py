@@ -1,0 +1,126 @@
+"""The pass pipeline: trace -> locate -> plan -> rewrite, for one call signature.
+
+``route()`` runs it lazily on the first training call of each input signature;
+``explain()`` runs it on example inputs without touching the model.
+
+Example:
+    >>> import torch, tread_fx
+    >>> from tread_fx.pipeline import RoutingConfig, build
+    >>> model = tread_fx.models.DiT_S_2(input_size=8, in_channels=1, num_classes=10, depth=4)
+    >>> cfg = RoutingConfig(routes=tread_fx.routes.parse_routes([(1, 3)], 0.5))
+    >>> args = (torch.randn(2, 1, 8, 8), torch.rand(2), torch.tensor([1, 2]))
+    >>> built = build(model, args, {}, cfg)
+    >>> [p.kept_tokens for p in built.plans]
+    [8]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.fx as fx
+from torch import nn
+
+from tread_fx.errors import SelectionError
+from tread_fx.passes.locate import StreamInfo, block_leaf_paths, locate, resolve_block_lists
+from tread_fx.passes.plan import RoutePlan, plan_route
+from tread_fx.passes.rewrite import Reinsert, append_route_outputs, rewrite_route
+from tread_fx.passes.trace import TracedCall, trace_call
+from tread_fx.routes import Route, resolve_routes
+from tread_fx.selection import get_strategy
+
+__all__ = ["RoutingConfig", "Built", "build", "find_grid"]
+
+
+@dataclass
+class RoutingConfig:
+    """Everything ``route()`` was asked for (validated), shared by every trace."""
+
+    routes: list[Route]
+    rate: float = 0.5
+    selection: str = "random"
+    blocks: Any = None
+    keep_prefix: int | None = None
+    grid: tuple[int, int] | None = None
+    strict: bool = True
+    reinsert: Reinsert = field(default_factory=Reinsert)
+
+
+@dataclass
+class Built:
+    """The result of the pipeline for one call signature."""
+
+    traced: TracedCall
+    info: StreamInfo
+    routes: list[Route]
+    plans: list[RoutePlan]
+    num_model_outputs: int
+
+    @property
+    def gm(self) -> fx.GraphModule:
+        return self.traced.gm
+
+
+def find_grid(model: nn.Module, num_tokens: int) -> tuple[int, int] | None:
+    """Find the patch grid (H, W) with ``H * W == num_tokens``.
+
+    Looks at ``model.grid_size``, then at any submodule's ``grid_size`` (timm's PatchEmbed),
+    then at diffusers-style ``height``/``width``/``patch_size`` attributes.
+    """
+    candidates = [model, *model.modules()]
+    for module in candidates:
+        grid = getattr(module, "grid_size", None)
+        if isinstance(grid, (tuple, list)) and len(grid) == 2 and grid[0] * grid[1] == num_tokens:
+            return int(grid[0]), int(grid[1])
+    for module in candidates:
+        h, w, p = (getattr(module, k, None) for k in ("height", "width", "patch_size"))
+        if all(isinstance(v, int) for v in (h, w, p)) and (h // p) * (w // p) == num_tokens:
+            return h // p, w // p
+    return None
+
+
+def _grid_for(model: nn.Module, config: RoutingConfig, info: StreamInfo) -> tuple[int, int] | None:
+    routable = info.num_tokens - info.prefix
+    grid = config.grid or find_grid(model, routable)
+    if grid is not None and grid[0] * grid[1] != routable:
+        raise SelectionError(
+            f"grid={grid} was given, but the token stream has {routable} routable tokens "
+            f"({info.num_tokens} minus {info.prefix} prefix); H * W must equal that."
+        )
+    if grid is None and get_strategy(config.selection).needs_grid:
+        raise SelectionError(
+            f"selection={config.selection!r} needs the patch grid, but none with H * W == "
+            f"{routable} was found on {type(model).__name__} (no grid_size attribute); pass "
+            "grid=(H, W) to route()."
+        )
+    return grid
+
+
+def build(model: nn.Module, args: tuple, kwargs: dict, config: RoutingConfig) -> Built:
+    """Trace ``model(*args, **kwargs)`` and rewrite it with the configured routes.
+
+    Args:
+        model: The (unmodified) model.
+        args: Example positional arguments (real tensors).
+        kwargs: Example keyword arguments.
+        config: What to route.
+
+    Returns:
+        A :class:`Built` whose GraphModule takes the call's tensors followed by one noise
+        tensor per route and returns the model's flat outputs followed by the kept ids.
+    """
+    list_paths = resolve_block_lists(model, config.blocks)
+    traced = trace_call(model, args, kwargs, block_leaf_paths(model, list_paths))
+    info = locate(traced, model, list_paths, config.blocks is not None, config.keep_prefix)
+    routes = resolve_routes(config.routes, info.depth, config.rate)
+    strategy = get_strategy(config.selection)
+    grid = _grid_for(model, config, info)
+    embedded = info.blocks[0].stream_in
+    plans, idx_nodes = [], []
+    for i, route in enumerate(routes):
+        plan = plan_route(traced.gm, info, route, i, strategy, grid, config.strict)
+        idx_nodes.append(rewrite_route(traced.gm, plan, strategy, config.reinsert, embedded))
+        plans.append(plan)
+    num_outputs = append_route_outputs(traced.gm, idx_nodes)
+    return Built(traced, info, routes, plans, num_outputs)
