@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import operator
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -80,6 +81,7 @@ class StreamInfo:
     stream_meta: TensorMeta
     primary: fx.Node
     carried: dict[str, dict[tuple, SlotKey]] = field(default_factory=dict)
+    stream_after: fx.Node | None = None
 
     @property
     def depth(self) -> int:
@@ -90,10 +92,9 @@ def candidate_stacks(model: nn.Module) -> dict[str, nn.Module]:
     """Return containers (ModuleList/Sequential) of >= 2 modules that all share one class."""
     found = {}
     for path, module in model.named_modules():
-        if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) >= 2:
-            classes = {type(child) for child in module}
-            if len(classes) == 1 and not issubclass(classes.pop(), (nn.ModuleList, nn.Sequential)):
-                found[path] = module
+        is_container = isinstance(module, (nn.ModuleList, nn.Sequential))
+        if is_container and len(module) >= 2 and len({type(c) for c in module}) == 1:
+            found[path] = module
     return found
 
 
@@ -275,8 +276,56 @@ def locate(
     num_tokens = meta.shape[token_dim]
     prefix = _prefix(model, keep_prefix, blocks[0].stream_in, primary, token_dim, num_tokens)
     return StreamInfo(
-        blocks, chain, batch_dim, token_dim, batch, num_tokens, prefix, meta, primary, carried
+        blocks,
+        chain,
+        batch_dim,
+        token_dim,
+        batch,
+        num_tokens,
+        prefix,
+        meta,
+        primary,
+        carried,
+        _stream_after_last(blocks),
     )
+
+
+def _stream_after_last(blocks: list[BlockCall]) -> fx.Node:
+    """The stream after the last block, following the same ops that lead from block i to i+1.
+
+    With the residual add outside the blocks (``x = x + block(x)``), block ``i``'s output is
+    not the stream; the ops from block ``depth-2``'s output to block ``depth-1``'s input
+    (e.g. one ``add``) are replayed after the last block.
+    """
+    last = blocks[-1]
+    if len(blocks) < 2 or blocks[-2].list_path != last.list_path:
+        return last.stream_out
+    path = _forward_path(blocks[-2].stream_out, last.stream_in)
+    node = last.stream_out
+    for step in path:
+        matches = [u for u in node.users if (u.op, u.target) == (step.op, step.target)]
+        if len(matches) != 1:
+            return last.stream_out
+        node = matches[0]
+    return node
+
+
+def _forward_path(source: fx.Node, target: fx.Node) -> list[fx.Node]:
+    """Nodes after ``source`` on the shortest user-path to ``target`` (empty if same)."""
+    parents: dict[fx.Node, fx.Node | None] = {source: None}
+    queue = deque([source])
+    while queue and target not in parents:
+        node = queue.popleft()
+        for user in node.users:
+            if user not in parents:
+                parents[user] = node
+                queue.append(user)
+    path = []
+    node = target if target in parents else source
+    while node is not source:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
 
 
 def _tensor_slots(node: fx.Node) -> dict[SlotKey, fx.Node]:

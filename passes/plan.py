@@ -111,8 +111,8 @@ def _region(g: nx.DiGraph, info: StreamInfo, route: Route) -> tuple[set, fx.Node
         upstream = nx.ancestors(g, end.node)
     else:
         last = info.blocks[-1]
-        stream_end = last.stream_out
-        outs = set(output_slots(last.node).values()) or {last.node}
+        stream_end = info.stream_after or last.stream_out
+        outs = (set(output_slots(last.node).values()) or {last.node}) | {stream_end}
         upstream = set().union(*(nx.ancestors(g, o) | {o} for o in outs))
     region = (nx.descendants(g, start.node) | {start.node}) & upstream
     if stream_end not in region:

@@ -15,6 +15,7 @@ import dataclasses
 from typing import Any
 
 import torch.fx as fx
+from torch.utils.checkpoint import checkpoint
 
 from tread_fx.ops import blend_tokens, gather_tokens, scatter_tokens
 from tread_fx.passes.plan import Crossing, RoutePlan
@@ -142,8 +143,27 @@ def rewrite_route(
     return idx
 
 
+def _restore_checkpointing(graph: fx.Graph) -> None:
+    """Call blocks that the model ran through activation checkpointing that way again."""
+    for node in list(graph.nodes):
+        if node.op != "call_module" or not node.meta.get("tread_checkpoint"):
+            continue
+        with graph.inserting_before(node):
+            module = graph.get_attr(node.target)
+            kwargs = {**node.kwargs, "use_reentrant": False}
+            call = graph.call_function(checkpoint, (module, *node.args), kwargs)
+        call.meta.update(node.meta)
+        node.replace_all_uses_with(call)
+        graph.erase_node(node)
+
+
 def append_route_outputs(gm: fx.GraphModule, idx_nodes: list[fx.Node]) -> int:
-    """Append the routes' kept ids to the graph outputs; return the model's output count."""
+    """Append the routes' kept ids to the graph outputs; return the model's output count.
+
+    Also puts activation checkpointing back on blocks the model checkpointed, then lints
+    and recompiles the graph.
+    """
+    _restore_checkpointing(gm.graph)
     output = next(n for n in gm.graph.nodes if n.op == "output")
     model_outputs = tuple(output.args[0])
     output.args = (model_outputs + tuple(idx_nodes),)

@@ -29,6 +29,7 @@ import inspect
 import operator
 import os
 import random
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -224,6 +225,7 @@ class ValueTracer(fx.Tracer):
         self.tainted: set[fx.Node] = set()
         self.module_stack: list[str] = []
         self.running_eager = 0
+        self.checkpointed: set[int] = set()
 
     # -- values -----------------------------------------------------------------------------
     def proxy(self, node: fx.Node) -> fx.Proxy:
@@ -290,6 +292,8 @@ class ValueTracer(fx.Tracer):
             value = self._run(kind, target, args, kwargs)
         proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, **extra)
         node = proxy.node
+        if kind == "call_module" and id(self.root.get_submodule(target)) in self.checkpointed:
+            node.meta["tread_checkpoint"] = True
         self.values[node] = value
         node.meta["tread_meta"] = _meta_of(value)
         if self._is_tainted(kind, target, node, value):
@@ -375,29 +379,49 @@ def _refuse_python_random(tracer: ValueTracer) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _checkpoint_as_plain_call() -> Iterator[None]:
-    """Trace blocks called through activation checkpointing as plain calls.
+def _checkpoint_as_plain_call(tracer: ValueTracer, model: nn.Module) -> Iterator[None]:
+    """Trace blocks called through activation checkpointing as plain, marked calls.
 
     ``torch.utils.checkpoint.checkpoint(block, *args)`` and diffusers'
     ``self._gradient_checkpointing_func(block, *args)`` become ``block(*args)`` while
-    tracing, so the blocks are seen; the rewrite pass restores checkpointing on them.
+    tracing, so the blocks are seen; their nodes get ``meta["tread_checkpoint"]`` and the
+    rewrite pass calls them through checkpointing again.
     """
     import torch.utils.checkpoint as ckpt
 
     original = ckpt.checkpoint
 
     def plain(function, *args, use_reentrant=None, **kwargs):
-        kwargs.pop("preserve_rng_state", None)
-        kwargs.pop("determinism_check", None)
-        kwargs.pop("debug", None)
-        kwargs.pop("context_fn", None)
+        for key in ("preserve_rng_state", "determinism_check", "debug", "context_fn"):
+            kwargs.pop(key, None)
+        if tracer.running_eager:
+            return original(function, *args, use_reentrant=use_reentrant, **kwargs)
+        tracer.checkpointed.add(id(getattr(function, "__self__", function)))
         return function(*args, **kwargs)
 
+    owners = [m for m in model.modules() if "_gradient_checkpointing_func" in m.__dict__]
+    saved = [m.__dict__["_gradient_checkpointing_func"] for m in owners]
+    namespaces = {id(ns): ns for ns in _module_namespaces(model)}.values()
+    imported = [(ns, k) for ns in namespaces for k, v in list(ns.items()) if v is original]
     ckpt.checkpoint = plain
+    for m in owners:
+        m.__dict__["_gradient_checkpointing_func"] = plain
+    for ns, key in imported:  # `from torch.utils.checkpoint import checkpoint`
+        ns[key] = plain
     try:
         yield
     finally:
         ckpt.checkpoint = original
+        for m, fn in zip(owners, saved):
+            m.__dict__["_gradient_checkpointing_func"] = fn
+        for ns, key in imported:
+            ns[key] = original
+
+
+def _module_namespaces(model: nn.Module) -> list[dict]:
+    """Global namespaces of the Python modules defining the model's classes."""
+    names = {type(m).__module__ for m in model.modules()}
+    return [vars(sys.modules[n]) for n in names if n in sys.modules]
 
 
 def _snapshot_buffers(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -461,7 +485,7 @@ def _trace_restoring_state(
             torch.random.fork_rng(devices=devices),
             torch.no_grad(),
             _refuse_python_random(tracer),
-            _checkpoint_as_plain_call(),
+            _checkpoint_as_plain_call(tracer, model),
         ):
             return tracer.trace(wrapper)
     finally:
