@@ -30,6 +30,7 @@ import operator
 import os
 import random
 import sys
+import types
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -128,6 +129,12 @@ class ValueProxy(fx.Proxy):
 
     def keys(self) -> Any:
         return self.tracer.structure(self, "keys()").keys()
+
+    def __format__(self, spec: str) -> str:
+        value = self.tracer.value_of(self)
+        if isinstance(value, (int, float, str)) and self.node not in self.tracer.tainted:
+            return format(value, spec)  # shape-derived: f-strings in messages read naturally
+        return format(repr(self), spec)
 
     def __getattr__(self, name: str) -> ValueAttribute:
         return ValueAttribute(self, name)
@@ -303,6 +310,8 @@ class ValueTracer(fx.Tracer):
     def _is_tainted(self, kind: str, target: Any, node: fx.Node, value: Any) -> bool:
         if isinstance(value, torch.Tensor) or kind not in ("call_function", "call_method"):
             return False
+        if _all_tensors(value):  # chunk/split/unbind: only the count is read, and it is shape
+            return False
         inputs = node.all_input_nodes
         if any(n in self.tainted for n in inputs):
             return True
@@ -342,6 +351,15 @@ class ValueTracer(fx.Tracer):
         if self.running_eager:
             return attr_val
         return super().getattr(attr, attr_val, parameter_proxy_cache)
+
+
+def _all_tensors(value: Any) -> bool:
+    """Whether ``value`` is a non-empty tuple/list of tensors (its length is shape-derived)."""
+    return (
+        isinstance(value, (tuple, list))
+        and len(value) > 0
+        and all(isinstance(v, torch.Tensor) for v in value)
+    )
 
 
 def _fetch_attr(root: nn.Module, target: str) -> Any:
@@ -418,10 +436,15 @@ def _checkpoint_as_plain_call(tracer: ValueTracer, model: nn.Module) -> Iterator
             ns[key] = original
 
 
+def _python_modules(model: nn.Module) -> list[types.ModuleType]:
+    """The Python modules defining the model's classes."""
+    names = {type(m).__module__ for m in model.modules()}
+    return [sys.modules[n] for n in sorted(names) if n in sys.modules]
+
+
 def _module_namespaces(model: nn.Module) -> list[dict]:
     """Global namespaces of the Python modules defining the model's classes."""
-    names = {type(m).__module__ for m in model.modules()}
-    return [vars(sys.modules[n]) for n in names if n in sys.modules]
+    return [vars(module) for module in _python_modules(model)]
 
 
 def _snapshot_buffers(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -456,6 +479,9 @@ def trace_call(model: nn.Module, args: tuple, kwargs: dict, leaf_paths: set[str]
         example = {f"t{i}": t.detach().clone() for i, t in enumerate(tensors)}
         paths = {MODEL_PREFIX + p for p in leaf_paths | set(auto_leaves)}
         tracer = ValueTracer(paths, example)
+        # registered leaf functions called from the model's own forward (called directly,
+        # not through Module.__call__, so fx would not look in its globals by itself)
+        tracer._autowrap_search.extend(_python_modules(model))
         try:
             graph = _trace_restoring_state(tracer, wrapper, model, tensors)
             break

@@ -69,9 +69,9 @@ def register_leaf_module(cls: M) -> M:
 def register_leaf_function(fn: F) -> F:
     """Register a function that tracing records as one ``call_function`` node.
 
-    Usable as a decorator. The function must be called through a global name in the module
-    that calls it (``my_scan(x)`` or ``ops.my_scan(x)`` both work when ``my_scan`` is a
-    module-level name of the file that defines the calling code).
+    Usable as a decorator. The function must be called through a module-level (global) name
+    of the file that calls it, and that name must not start with an underscore (torch.fx's
+    autowrap skips private names).
 
     Args:
         fn: A plain Python function taking and returning tensors.
