@@ -1,0 +1,549 @@
+"""A class-conditional diffusion Mamba (DiS/Vim style) for image latents.
+
+Read top to bottom: the selective scan, one scan direction, the bidirectional mixer, the block
+(two streams ``hidden``/``residual`` between blocks, adaLN conditioning, optional U-ViT long
+skips), the small embedders, the final layer, the model and its factories.
+
+Every block has the same call signature ``block(hidden, residual, c, skip=None)`` and works for
+any token count, so TREAD routing can hand a block an ascending subset of the tokens. The scan is
+a registered leaf function, so tracing records it as one node and never unrolls its loop.
+
+Example:
+    >>> import torch
+    >>> from tread_fx.models.mamba import Mamba_S_2
+    >>> model = Mamba_S_2(input_size=8, in_channels=1, num_classes=10, depth=4, hidden_size=32)
+    >>> model(torch.randn(2, 1, 8, 8), torch.rand(2), torch.tensor([3, 7])).shape
+    torch.Size([2, 2, 8, 8])
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from timm.layers import PatchEmbed
+from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
+
+from tread_fx import register_leaf_function
+
+try:  # the optional CUDA kernel; used only for CUDA tensors
+    from mamba_ssm.ops.selective_scan_interface import selective_scan_fn as _cuda_selective_scan
+except (ImportError, OSError):
+    _cuda_selective_scan = None
+
+__all__ = [
+    "selective_scan",
+    "selective_scan_torch",
+    "ScanDirection",
+    "BiMambaMixer",
+    "MambaBlock",
+    "TimestepEmbedder",
+    "LabelEmbedder",
+    "FinalLayer",
+    "DiffusionMamba",
+    "Mamba_S_2",
+    "Mamba_B_2",
+    "Mamba_models",
+]
+
+
+class _SelectiveScanFn(torch.autograd.Function):
+    """``h_t = exp(delta_t A) h_{t-1} + du_t B_t``, ``y_t = h_t . C_t``; hand-written backward.
+
+    Time-major inputs: ``delta``, ``du`` [L, B, D]; ``A`` [D, N]; ``B``, ``C`` [L, B, N].
+    Each step works on one [B, D, N] state that stays in cache; only the states are stored
+    (for the backward), which is several times faster on CPU than autograd through the loop.
+    """
+
+    @staticmethod
+    def forward(ctx, delta: Tensor, du: Tensor, A: Tensor, B: Tensor, C: Tensor) -> Tensor:
+        H = delta.new_empty(*delta.shape, A.shape[1])
+        y = delta.new_empty(*delta.shape, 1)
+        prev = None
+        for d_t, du_t, B_t, C_t, h_t, y_t in zip(*(x.unbind(0) for x in (delta, du, B, C, H, y))):
+            b_t = du_t.unsqueeze(-1) * B_t.unsqueeze(1)
+            if prev is None:
+                h_t.copy_(b_t)
+            else:
+                torch.addcmul(b_t, torch.exp(d_t.unsqueeze(-1) * A), prev, out=h_t)
+            torch.bmm(h_t, C_t.unsqueeze(-1), out=y_t)
+            prev = h_t
+        ctx.save_for_backward(delta, du, A, B, C, H)
+        return y.squeeze(-1)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, gy: Tensor) -> tuple[Tensor, ...]:
+        delta, du, A, B, C, H = ctx.saved_tensors
+        d_delta, d_du = torch.zeros_like(delta), torch.empty_like(du).unsqueeze(-1)
+        dB, dC = torch.empty_like(B).unsqueeze(-1), torch.empty_like(C).unsqueeze(-1)
+        dA = torch.zeros_like(A)
+        gy = gy.unsqueeze(-1)
+        g = a_next = None  # g: gradient w.r.t. h_t, carried backwards through the decays
+        for t in reversed(range(delta.shape[0])):  # x[t]: a free view (no autograd in here)
+            outer = gy[t] * C[t].unsqueeze(1)
+            g = outer if g is None else torch.addcmul(outer, g, a_next)
+            torch.bmm(H[t].transpose(1, 2), gy[t], out=dC[t])
+            torch.bmm(g, B[t].unsqueeze(-1), out=d_du[t])
+            torch.bmm(g.transpose(1, 2), du[t].unsqueeze(-1), out=dB[t])
+            if t > 0:  # h_{-1} = 0: delta_0 and A get nothing from the first step
+                a_next = torch.exp(delta[t].unsqueeze(-1) * A)
+                s = g * H[t - 1] * a_next  # gradient w.r.t. delta_t * A
+                torch.sum(s * A, dim=-1, out=d_delta[t])
+                dA += torch.einsum("bdn,bd->dn", s, delta[t])
+        return d_delta, d_du.squeeze(-1), dA, dB.squeeze(-1), dC.squeeze(-1)
+
+
+def selective_scan_torch(
+    u: Tensor,
+    delta: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None = None,
+    delta_bias: Tensor | None = None,
+    delta_softplus: bool = False,
+) -> Tensor:
+    """Pure-PyTorch selective scan (any device, any length ``L``), computed in float32 or better.
+
+    Same layout and meaning as ``mamba_ssm``'s ``selective_scan_fn`` (without ``z``): with
+    ``delta = softplus(delta + delta_bias)`` when asked,
+    ``h_t = exp(delta_t * A) * h_{t-1} + delta_t * B_t * u_t`` and ``y_t = C_t . h_t + D * u_t``.
+
+    Args:
+        u: Input [batch, D, L].
+        delta: Step sizes [batch, D, L].
+        A: Negative decay rates [D, N].
+        B: Input matrix [batch, N, L].
+        C: Output matrix [batch, N, L].
+        D: Skip weight [D], optional.
+        delta_bias: Added to ``delta`` [D], optional.
+        delta_softplus: Apply softplus to ``delta`` (after the bias).
+
+    Returns:
+        ``y`` [batch, D, L] in ``u``'s dtype.
+
+    Example:
+        >>> u = torch.randn(2, 4, 5)
+        >>> y = selective_scan_torch(u, torch.rand(2, 4, 5), -torch.rand(4, 3),
+        ...                          torch.randn(2, 3, 5), torch.randn(2, 3, 5))
+        >>> y.shape
+        torch.Size([2, 4, 5])
+    """
+    dtype = torch.promote_types(u.dtype, torch.float32)
+    with torch.autocast(u.device.type, enabled=False):
+        u_, delta = u.to(dtype), delta.to(dtype)
+        if delta_bias is not None:
+            delta = delta + delta_bias.to(dtype).unsqueeze(-1)
+        if delta_softplus:
+            delta = F.softplus(delta)
+        delta_t = delta.permute(2, 0, 1)
+        y = _SelectiveScanFn.apply(
+            delta_t.contiguous(),
+            (delta_t * u_.permute(2, 0, 1)).contiguous(),
+            A.to(dtype),
+            B.to(dtype).permute(2, 0, 1).contiguous(),
+            C.to(dtype).permute(2, 0, 1).contiguous(),
+        ).permute(1, 2, 0)
+        if D is not None:
+            y = y + u_ * D.to(dtype).unsqueeze(-1)
+    return y.to(u.dtype)
+
+
+@register_leaf_function
+def selective_scan(
+    u: Tensor,
+    delta: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None = None,
+    delta_bias: Tensor | None = None,
+    delta_softplus: bool = False,
+) -> Tensor:
+    """Selective scan: ``mamba_ssm``'s CUDA kernel for CUDA tensors when installed, else PyTorch.
+
+    A registered leaf function: tracing records one node for it. Arguments and result are as in
+    :func:`selective_scan_torch`.
+
+    Example:
+        >>> u = torch.randn(1, 4, 7)
+        >>> selective_scan(u, torch.rand(1, 4, 7), -torch.rand(4, 3), torch.randn(1, 3, 7),
+        ...                torch.randn(1, 3, 7), D=torch.ones(4)).shape
+        torch.Size([1, 4, 7])
+    """
+    if _cuda_selective_scan is not None and u.is_cuda:
+        return _cuda_selective_scan(
+            u, delta, A, B, C, D, delta_bias=delta_bias, delta_softplus=delta_softplus
+        )
+    return selective_scan_torch(u, delta, A, B, C, D, delta_bias, delta_softplus)
+
+
+class ScanDirection(nn.Module):
+    """One scan direction: causal depthwise conv + SiLU, input-dependent Δ/B/C, selective scan.
+
+    Causal: output position ``t`` depends only on input positions ``<= t``.
+
+    Args:
+        d_inner: Channels.
+        d_state: State size ``N`` per channel.
+        d_conv: Kernel size of the causal depthwise convolution.
+        dt_rank: Rank of the Δ projection.
+
+    Example:
+        >>> ScanDirection(8, d_state=4, dt_rank=2)(torch.randn(2, 8, 5)).shape
+        torch.Size([2, 8, 5])
+    """
+
+    def __init__(self, d_inner: int, d_state: int = 16, d_conv: int = 4, dt_rank: int = 1) -> None:
+        super().__init__()
+        self.d_state, self.d_conv, self.dt_rank = d_state, d_conv, dt_rank
+        self.conv1d = nn.Conv1d(d_inner, d_inner, d_conv, groups=d_inner)
+        self.x_proj = nn.Linear(d_inner, dt_rank + 2 * d_state, bias=False)
+        self.dt_proj = nn.Linear(dt_rank, d_inner)
+        # Δ starts log-uniform in [1e-3, 0.1]: the bias is softplus^-1 of it.
+        nn.init.uniform_(self.dt_proj.weight, -(dt_rank**-0.5), dt_rank**-0.5)
+        dt = torch.exp(torch.rand(d_inner) * math.log(100.0) + math.log(1e-3))
+        with torch.no_grad():
+            self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+        # S4D-real: A[d, n] = -(n + 1), stored as a log so A stays negative.
+        A = torch.arange(1, d_state + 1, dtype=torch.float32).repeat(d_inner, 1)
+        self.A_log = nn.Parameter(torch.log(A))
+        self.D = nn.Parameter(torch.ones(d_inner))
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Scan ``x`` [batch, d_inner, L] from position 0 to L-1; returns the same shape."""
+        x = F.silu(self.conv1d(F.pad(x, (self.d_conv - 1, 0))))
+        dt, B, C = self.x_proj(x.transpose(1, 2)).split(
+            [self.dt_rank, self.d_state, self.d_state], dim=-1
+        )
+        delta = F.linear(dt, self.dt_proj.weight).transpose(1, 2)
+        A = -torch.exp(self.A_log.float())
+        bias = self.dt_proj.bias
+        return selective_scan(x, delta, A, B.mT, C.mT, self.D, bias, delta_softplus=True)
+
+
+class BiMambaMixer(nn.Module):
+    """Bidirectional Mamba mixer (Vim style): a forward and a backward scan, averaged, gated.
+
+    ``in_proj`` to ``x, z`` (shared), one :class:`ScanDirection` per direction with its own
+    conv, projections, ``A`` and ``D``; the mean of both directions is gated by ``SiLU(z)``.
+
+    Args:
+        dim: Token width.
+        d_state: State size per channel.
+        d_conv: Causal conv kernel size.
+        expand: ``d_inner = expand * dim``.
+
+    Example:
+        >>> BiMambaMixer(16)(torch.randn(2, 7, 16)).shape
+        torch.Size([2, 7, 16])
+    """
+
+    def __init__(self, dim: int, d_state: int = 16, d_conv: int = 4, expand: int = 2) -> None:
+        super().__init__()
+        self.d_inner = expand * dim
+        dt_rank = math.ceil(dim / 16)
+        self.in_proj = nn.Linear(dim, 2 * self.d_inner, bias=False)
+        self.forward_scan = ScanDirection(self.d_inner, d_state, d_conv, dt_rank)
+        self.backward_scan = ScanDirection(self.d_inner, d_state, d_conv, dt_rank)
+        self.out_proj = nn.Linear(self.d_inner, dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Mix tokens ``x`` [batch, L, dim] along the sequence; returns the same shape."""
+        x, z = self.in_proj(x).transpose(1, 2).chunk(2, dim=1)
+        y = 0.5 * (self.forward_scan(x) + self.backward_scan(x.flip(-1)).flip(-1))
+        return self.out_proj((y * F.silu(z)).transpose(1, 2))
+
+
+class MambaBlock(nn.Module):
+    """Prenorm Mamba block with two streams, adaLN conditioning and an optional long skip.
+
+    ``residual = residual + hidden`` (after fusing ``skip`` into ``hidden`` with a linear on
+    their concatenation, when the block has one), then ``hidden = gate * mixer(modulate(
+    norm(residual), shift, scale))``, where shift/scale/gate come from a zero-initialised linear
+    on ``SiLU(c)``. Works for any token count.
+
+    Args:
+        hidden_size: Token width.
+        d_state: State size of the scans.
+        d_conv: Causal conv kernel size.
+        expand: Mixer expansion factor.
+        use_skip: Whether this block fuses a U-ViT long skip.
+
+    Example:
+        >>> block = MambaBlock(16)
+        >>> h = torch.randn(2, 7, 16)
+        >>> hidden, residual = block(h, torch.zeros_like(h), torch.randn(2, 16))
+        >>> hidden.shape, residual.shape
+        (torch.Size([2, 7, 16]), torch.Size([2, 7, 16]))
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        d_state: int = 16,
+        d_conv: int = 4,
+        expand: int = 2,
+        use_skip: bool = False,
+    ) -> None:
+        super().__init__()
+        self.skip_linear = nn.Linear(2 * hidden_size, hidden_size) if use_skip else None
+        if self.skip_linear is not None:
+            nn.init.xavier_uniform_(self.skip_linear.weight)
+            nn.init.zeros_(self.skip_linear.bias)
+        self.norm = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
+        self.mixer = BiMambaMixer(hidden_size, d_state, d_conv, expand)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 3 * hidden_size))
+        nn.init.zeros_(self.adaLN_modulation[-1].weight)
+        nn.init.zeros_(self.adaLN_modulation[-1].bias)
+
+    def forward(
+        self, hidden: Tensor, residual: Tensor, c: Tensor, skip: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Run the block on ``hidden``/``residual`` [batch, L, dim] with conditioning ``c``."""
+        has_skip = self.skip_linear is not None
+        if has_skip == (skip is None) and (has_skip or isinstance(skip, Tensor)):
+            raise ValueError(
+                f"this MambaBlock was built with use_skip={has_skip} but got skip="
+                f"{'a tensor' if skip is not None else 'None'}; pass skip= exactly to the blocks "
+                "that fuse a long skip (see DiffusionMamba.skip_sources)"
+            )
+        if self.skip_linear is not None:
+            hidden = self.skip_linear(torch.cat([hidden, skip], dim=-1))
+        residual = residual + hidden
+        shift, scale, gate = self.adaLN_modulation(c).unsqueeze(1).chunk(3, dim=-1)
+        hidden = gate * self.mixer(self.norm(residual) * (1 + scale) + shift)
+        return hidden, residual
+
+
+class TimestepEmbedder(nn.Module):
+    """Sinusoidal features of a scalar timestep per sample, then an MLP.
+
+    Example:
+        >>> TimestepEmbedder(32)(torch.rand(3)).shape
+        torch.Size([3, 32])
+    """
+
+    def __init__(self, hidden_size: int, frequency_size: int = 256, max_period: float = 1e4):
+        super().__init__()
+        self.frequency_size, self.max_period = frequency_size, max_period
+        self.mlp = nn.Sequential(
+            nn.Linear(frequency_size, hidden_size), nn.SiLU(), nn.Linear(hidden_size, hidden_size)
+        )
+        for layer in (self.mlp[0], self.mlp[2]):
+            nn.init.normal_(layer.weight, std=0.02)
+            nn.init.zeros_(layer.bias)
+
+    def forward(self, t: Tensor) -> Tensor:
+        """Embed timesteps ``t`` [batch] (any real values) to [batch, hidden_size]."""
+        half = self.frequency_size // 2
+        k = torch.arange(half, device=t.device, dtype=torch.float32)
+        args = t.float().unsqueeze(-1) * torch.exp(k * (-math.log(self.max_period) / half))
+        features = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+        return self.mlp(features.to(self.mlp[0].weight.dtype))
+
+
+class LabelEmbedder(nn.Module):
+    """Class labels to vectors, with a null class (index ``num_classes``) and label dropout.
+
+    In training mode each label is replaced by the null class with probability
+    ``dropout_prob`` (for classifier-free guidance).
+
+    Example:
+        >>> LabelEmbedder(10, 32, dropout_prob=0.1)(torch.tensor([1, 2])).shape
+        torch.Size([2, 32])
+    """
+
+    def __init__(self, num_classes: int, hidden_size: int, dropout_prob: float = 0.1) -> None:
+        super().__init__()
+        self.num_classes, self.dropout_prob = num_classes, dropout_prob
+        self.embedding_table = nn.Embedding(num_classes + 1, hidden_size)
+        nn.init.normal_(self.embedding_table.weight, std=0.02)
+
+    def forward(self, y: Tensor) -> Tensor:
+        """Embed integer labels ``y`` [batch] to [batch, hidden_size]."""
+        if self.training and self.dropout_prob > 0:
+            drop = torch.rand_like(y, dtype=torch.float32) < self.dropout_prob
+            y = torch.where(drop, torch.full_like(y, self.num_classes), y)
+        return self.embedding_table(y)
+
+
+class FinalLayer(nn.Module):
+    """adaLN-modulated norm and a zero-initialised linear to ``patch * patch * channels``."""
+
+    def __init__(self, hidden_size: int, patch_size: int, out_channels: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
+        self.linear = nn.Linear(hidden_size, patch_size * patch_size * out_channels)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 2 * hidden_size))
+        for layer in (self.linear, self.adaLN_modulation[-1]):
+            nn.init.zeros_(layer.weight)
+            nn.init.zeros_(layer.bias)
+
+    def forward(self, x: Tensor, c: Tensor) -> Tensor:
+        """Map tokens ``x`` [batch, L, dim] to patch values [batch, L, p * p * channels]."""
+        shift, scale = self.adaLN_modulation(c).unsqueeze(1).chunk(2, dim=-1)
+        return self.linear(self.norm(x) * (1 + scale) + shift)
+
+
+def _sincos_pos_embed(dim: int, grid_h: int, grid_w: int) -> Tensor:
+    """Fixed 2-D sin-cos position embedding [1, grid_h * grid_w, dim] (row-major tokens)."""
+    freqs = 1.0 / 10000 ** (torch.arange(dim // 4, dtype=torch.float64) / (dim // 4))
+    rows, cols = torch.meshgrid(torch.arange(grid_h), torch.arange(grid_w), indexing="ij")
+    parts = []
+    for pos in (rows.flatten(), cols.flatten()):
+        args = pos.to(torch.float64).unsqueeze(-1) * freqs
+        parts += [torch.sin(args), torch.cos(args)]
+    return torch.cat(parts, dim=-1).float().unsqueeze(0)
+
+
+class DiffusionMamba(nn.Module):
+    """Class-conditional diffusion Mamba over patch tokens (DiS/Vim style).
+
+    Patch embedding (timm ``PatchEmbed``) + fixed 2-D sin-cos positions, ``depth``
+    :class:`MambaBlock` s in ``blocks`` fed two streams (``residual`` starts as zeros), adaLN
+    conditioning on ``c = t_emb + y_emb``, and a final adaLN linear layer and unpatchify.
+
+    Long skips (``skip=True``, U-ViT pairing): block ``i`` with ``i >= depth - depth // 2``
+    receives ``skip=`` the hidden output of block ``depth - 1 - i`` (with an odd depth the middle
+    block ``depth // 2`` has none). ``skip_sources[i]`` holds that source index, or ``None``.
+
+    Args:
+        input_size: Input height and width.
+        patch_size: Patch size.
+        in_channels: Input channels.
+        hidden_size: Token width (a multiple of 4).
+        depth: Number of blocks.
+        d_state: State size of the scans.
+        d_conv: Causal conv kernel size.
+        expand: Mixer expansion factor (``d_inner = expand * hidden_size``).
+        class_dropout_prob: Label dropout in training (for classifier-free guidance).
+        num_classes: Number of classes; label ``num_classes`` is the null class.
+        learn_sigma: Predict a variance too: ``out_channels = 2 * in_channels``.
+        skip: Add U-ViT long skips.
+
+    Example:
+        >>> model = DiffusionMamba(input_size=8, in_channels=1, hidden_size=32, depth=5,
+        ...                        num_classes=10, skip=True)
+        >>> model.skip_sources
+        (None, None, None, 1, 0)
+        >>> model(torch.randn(2, 1, 8, 8), torch.rand(2), torch.tensor([0, 9])).shape
+        torch.Size([2, 2, 8, 8])
+    """
+
+    def __init__(
+        self,
+        input_size: int = 32,
+        patch_size: int = 2,
+        in_channels: int = 4,
+        hidden_size: int = 384,
+        depth: int = 24,
+        d_state: int = 16,
+        d_conv: int = 4,
+        expand: int = 2,
+        class_dropout_prob: float = 0.1,
+        num_classes: int = 1000,
+        learn_sigma: bool = True,
+        skip: bool = False,
+    ) -> None:
+        super().__init__()
+        if hidden_size % 4 or depth < 1:
+            raise ValueError(
+                "DiffusionMamba needs hidden_size a multiple of 4 and depth >= 1 "
+                f"(got hidden_size={hidden_size}, depth={depth})"
+            )
+        self.in_channels, self.num_classes = in_channels, num_classes
+        self.out_channels = 2 * in_channels if learn_sigma else in_channels
+        self.patch_size = patch_size
+        self.x_embedder = PatchEmbed(input_size, patch_size, in_channels, hidden_size)
+        self.grid_size: tuple[int, int] = tuple(self.x_embedder.grid_size)
+        w = self.x_embedder.proj.weight
+        nn.init.xavier_uniform_(w.view(w.shape[0], -1))
+        nn.init.zeros_(self.x_embedder.proj.bias)
+        self.register_buffer(
+            "pos_embed", _sincos_pos_embed(hidden_size, *self.grid_size), persistent=False
+        )
+        self.t_embedder = TimestepEmbedder(hidden_size)
+        self.y_embedder = LabelEmbedder(num_classes, hidden_size, class_dropout_prob)
+        self.skip_sources: tuple[int | None, ...] = tuple(
+            depth - 1 - i if skip and i >= depth - depth // 2 else None for i in range(depth)
+        )
+        self.blocks = nn.ModuleList(
+            MambaBlock(hidden_size, d_state, d_conv, expand, use_skip=src is not None)
+            for src in self.skip_sources
+        )
+        self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels)
+
+    def unpatchify(self, x: Tensor) -> Tensor:
+        """Patch values [batch, N, p * p * C] to images [batch, C, H, W]."""
+        (h, w), p, c = self.grid_size, self.patch_size, self.out_channels
+        x = torch.einsum("nhwpqc->nchpwq", x.reshape(-1, h, w, p, p, c))
+        return x.reshape(-1, c, h * p, w * p)
+
+    def forward(self, x: Tensor, t: Tensor, y: Tensor) -> Tensor:
+        """Predict from images ``x`` [B, C, H, W], timesteps ``t`` [B] and labels ``y`` [B].
+
+        Returns:
+            [B, out_channels, H, W].
+        """
+        hidden = self.x_embedder(x) + self.pos_embed
+        c = self.t_embedder(t) + self.y_embedder(y)
+        residual = torch.zeros_like(hidden)
+        outputs: list[Tensor] = []
+        for block, src in zip(self.blocks, self.skip_sources):
+            skip = None if src is None else outputs[src]
+            hidden, residual = block(hidden, residual, c, skip=skip)
+            outputs.append(hidden)
+        return self.unpatchify(self.final_layer(residual + hidden, c))
+
+    def forward_with_cfg(self, x: Tensor, t: Tensor, y: Tensor, cfg_scale: float) -> Tensor:
+        """Classifier-free guidance in one batched pass (conditional and null labels).
+
+        The first ``in_channels`` output channels are guided,
+        ``uncond + cfg_scale * (cond - uncond)``; the rest (learned sigma) are the conditional
+        prediction.
+        """
+        null = torch.full_like(y, self.num_classes)
+        out = self(torch.cat([x, x]), torch.cat([t, t]), torch.cat([y, null]))
+        cond, uncond = out.chunk(2)
+        k = self.in_channels
+        guided = uncond[:, :k] + cfg_scale * (cond[:, :k] - uncond[:, :k])
+        return torch.cat([guided, cond[:, k:]], dim=1)
+
+
+def Mamba_S_2(**kwargs) -> DiffusionMamba:
+    """Mamba-S/2: width 384, depth 24, patch 2 (~37M parameters at 32x32x4, 1000 classes).
+
+    Args:
+        **kwargs: :class:`DiffusionMamba` arguments; they override the defaults above.
+
+    Returns:
+        A new :class:`DiffusionMamba`.
+
+    Example:
+        >>> len(Mamba_S_2(input_size=8, in_channels=1, depth=2, hidden_size=32).blocks)
+        2
+    """
+    return DiffusionMamba(**{"hidden_size": 384, "depth": 24, "patch_size": 2, **kwargs})
+
+
+def Mamba_B_2(**kwargs) -> DiffusionMamba:
+    """Mamba-B/2: width 768, depth 24, patch 2 (~141M parameters at 32x32x4, 1000 classes).
+
+    Args:
+        **kwargs: :class:`DiffusionMamba` arguments; they override the defaults above.
+
+    Returns:
+        A new :class:`DiffusionMamba`.
+
+    Example:
+        >>> Mamba_B_2(input_size=8, in_channels=1, depth=2, hidden_size=32).patch_size
+        2
+    """
+    return DiffusionMamba(**{"hidden_size": 768, "depth": 24, "patch_size": 2, **kwargs})
+
+
+Mamba_models = {"Mamba-S/2": Mamba_S_2, "Mamba-B/2": Mamba_B_2}
