@@ -404,7 +404,8 @@ def _assign_stream_slots(blocks: list[BlockCall], primary: fx.Node, block_nodes:
             )
         block.stream_in = slots[block.in_slot]
         following = blocks[i + 1] if i + 1 < len(blocks) else None
-        if following is None and prev is not None and prev.list_path == block.list_path:
+        last_of_list = following is None or following.list_path != block.list_path
+        if last_of_list and prev is not None and prev.list_path == block.list_path:
             block.out_slot = prev.out_slot  # the last block is called like the ones before it
         else:
             block.out_slot = _out_slot(block, following, block_nodes)

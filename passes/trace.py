@@ -307,6 +307,15 @@ class ValueTracer(fx.Tracer):
             self.tainted.add(node)
         return proxy
 
+    def create_arg(self, a: Any) -> Any:
+        """Give ``get_attr`` nodes that fx makes for tensor attributes their value and meta."""
+        arg = super().create_arg(a)
+        if isinstance(arg, fx.Node) and arg.op == "get_attr" and arg not in self.values:
+            value = _fetch_attr(self.root, arg.target)
+            self.values[arg] = value
+            arg.meta["tread_meta"] = _meta_of(value)
+        return arg
+
     def _is_tainted(self, kind: str, target: Any, node: fx.Node, value: Any) -> bool:
         if isinstance(value, torch.Tensor) or kind not in ("call_function", "call_method"):
             return False
@@ -498,7 +507,19 @@ def trace_call(model: nn.Module, args: tuple, kwargs: dict, leaf_paths: set[str]
                 raise _untraceable(model, DataDependentError(str(err), None, where)) from None
             auto_leaves[path[len(MODEL_PREFIX) :]] = f"{type(err).__name__}: {err}"
     gm = fx.GraphModule(wrapper, graph, class_name=type(model).__name__ + "Traced")
+    _name_placeholders(gm.graph, (args, kwargs), wrapper.tensor_positions)
     return TracedCall(gm, wrapper, in_spec, wrapper.tensor_positions, wrapper.out_spec, auto_leaves)
+
+
+def _name_placeholders(graph: fx.Graph, call: tuple, positions: tuple[int, ...]) -> None:
+    """Record each tensor input's argument name (``img_ids``, ``arg0``) in ``meta``."""
+    paths = [path for path, _ in pytree.tree_flatten_with_path(call)[0]]
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for node, pos in zip(placeholders, positions):
+        keys = paths[pos][1:]  # drop the (args, kwargs) index
+        names = [str(getattr(k, "key", getattr(k, "idx", k))) for k in keys]
+        is_kwarg = paths[pos][0].idx == 1
+        node.meta["tread_input_name"] = names[0] if is_kwarg else f"arg{names[0]}"
 
 
 def _trace_restoring_state(
