@@ -47,6 +47,8 @@ class Crossing:
         users: For entering values, the region nodes using it; for leaving values, the
             nodes after the region using it.
         counterpart: For scattered values, the full-size value at the route start.
+        options: Extra keyword arguments of an adapter function (decided at plan time).
+        shares_selection: The adapter needs the route's selection shared across the batch.
     """
 
     node: fx.Node
@@ -54,6 +56,8 @@ class Crossing:
     reason: str
     users: list[fx.Node] = field(default_factory=list)
     counterpart: fx.Node | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+    shares_selection: bool = False
 
 
 @dataclass
@@ -73,6 +77,7 @@ class RoutePlan:
     units: int
     keep_units: int
     kept_tokens: int
+    shared_selection: bool = False
 
 
 def graph_to_networkx(graph: fx.Graph) -> nx.DiGraph:
@@ -97,9 +102,19 @@ def _is_token_aligned(meta: Any, layout: StreamLayout) -> bool:
 
 
 def _looks_token_aligned(side: SideValue) -> bool:
+    """Any dim (but a batch dim of size B) has N or N - prefix entries, e.g. a [N, d] table."""
     metas = side.meta if isinstance(side.meta, (tuple, list)) else (side.meta,)
-    sizes = {side.stream.num_tokens, side.stream.num_tokens - side.stream.prefix}
-    return any(isinstance(m, TensorMeta) and any(s in sizes for s in m.shape[1:]) for m in metas)
+    layout = side.stream
+    sizes = {layout.num_tokens, layout.num_tokens - layout.prefix}
+    return any(
+        isinstance(m, TensorMeta)
+        and any(
+            s in sizes
+            for d, s in enumerate(m.shape)
+            if not (d == layout.batch_dim and s == layout.batch_size)
+        )
+        for m in metas
+    )
 
 
 def _region(g: nx.DiGraph, info: StreamInfo, route: Route) -> tuple[set, fx.Node, fx.Node]:
@@ -124,15 +139,58 @@ def _region(g: nx.DiGraph, info: StreamInfo, route: Route) -> tuple[set, fx.Node
 
 
 def _family_slots(g: nx.DiGraph, info: StreamInfo, block: BlockCall) -> set:
-    """Carried input slots of ``block``'s list whose value descends from the first input."""
-    first = next(b for b in info.blocks if b.list_path == block.list_path)
-    slots = input_slots(first.node)
-    carried = set(info.carried.get(block.list_path, {}).values()) | {block.in_slot}
-    return {
-        k
-        for k in carried
-        if k in slots and (slots[k] is info.primary or nx.has_path(g, info.primary, slots[k]))
-    }
+    """Carried input slots of ``block``'s list that hold token streams.
+
+    In the stack's first list these are the carried slots whose value descends from the
+    model's first input. A chained list (Flux's single blocks after its joint blocks)
+    inherits them slot by slot: its carried input is a token stream only if it is fed by
+    the previous list's token-stream outputs alone — a joint text stream that attended to
+    the image tokens is not one, although it depends on them.
+    """
+    family: set = set()
+    for n, path in enumerate(info.list_paths):
+        members = [b for b in info.blocks if b.list_path == path]
+        slots = input_slots(members[0].node)
+        carried = (set(info.carried.get(path, {}).values()) | {members[0].in_slot}) & set(slots)
+        feeders = _family_outputs(info, info.list_paths[n - 1], family) if n else None
+        family = {k for k in carried if _is_token_slot(g, info, slots[k], feeders)}
+        family.add(members[0].in_slot)
+        if path == block.list_path:
+            return family
+    return family
+
+
+def _is_token_slot(g: nx.DiGraph, info: StreamInfo, value: fx.Node, feeders) -> bool:
+    if feeders is None:  # the stack's first list: by data flow from the model's first input
+        return value is info.primary or nx.has_path(g, info.primary, value)
+    return _fed_only_by(value, feeders, info)
+
+
+def _family_outputs(info: StreamInfo, path: str, family: set) -> tuple[set, set]:
+    """(token-stream outputs, all outputs) of the last block of list ``path``."""
+    last = [b for b in info.blocks if b.list_path == path][-1]
+    outs = output_slots(last.node)
+    if not outs:
+        return {last.node}, {last.node}
+    carried = info.carried.get(path, {})
+    tokens = {node for key, node in outs.items() if carried.get(key) in family}
+    return tokens | {last.stream_out}, set(outs.values())
+
+
+def _fed_only_by(node: fx.Node, feeders: tuple[set, set], info: StreamInfo) -> bool:
+    """Whether ``node`` depends on token-stream outputs of the previous list and no other."""
+    tokens, outputs = feeders
+    stop = {b.node for b in info.blocks} | outputs
+    seen, todo = set(), [node]
+    while todo:
+        current = todo.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        if current not in outputs:
+            todo.extend(a for a in current.all_input_nodes if a not in stop or a in outputs)
+    reached = seen & outputs
+    return bool(reached) and reached <= tokens
 
 
 def _side_value(g, node, users, region, info, layout, block_nodes) -> SideValue:
@@ -170,7 +228,11 @@ def _classify_entering(side: SideValue, users, carried_slot, family, strict: boo
         return Crossing(node, "pass", f"carried non-token stream {carried_slot}", users)
     for adapter in adapters():
         if adapter.matches(side):
-            return Crossing(node, adapter.action, f"adapter '{adapter.name}'", users)
+            options = adapter.options(side) if adapter.options is not None else {}
+            reason = f"adapter '{adapter.name}'"
+            return Crossing(
+                node, adapter.action, reason, users, None, options, adapter.shares_selection
+            )
     if side.token_aligned or _looks_token_aligned(side):
         shape = getattr(side.meta, "shape", side.meta)
         message = (
@@ -180,6 +242,9 @@ def _classify_entering(side: SideValue, users, carried_slot, family, strict: boo
             "tokens. Register a tread_fx.adapters.Adapter for it (action 'gather' or 'pass'), "
             "or pass strict=False to gather token-aligned values and pass the rest."
         )
+        notes = [f"{a.name}: {n}" for a in adapters() if a.diagnose and (n := a.diagnose(side))]
+        if notes:
+            message += " Rules meant for it declined: " + "; ".join(notes) + "."
         if strict:
             raise SideInputError(message)
         warnings.warn(message, stacklevel=2)
@@ -210,7 +275,7 @@ def _entering(g, plan_args, region, info, layout, strict) -> list[Crossing]:
     return crossings
 
 
-def _leaving(region, info, route, stream, entering, layout) -> list[Crossing]:
+def _leaving(region, info, route, stream, entering, layout, non_token=frozenset()) -> list:
     stream_start, stream_end = stream
     start = info.blocks[route.start]
     start_slots = input_slots(start.node)
@@ -228,6 +293,8 @@ def _leaving(region, info, route, stream, entering, layout) -> list[Crossing]:
             crossings.append(
                 Crossing(node, "scatter", "carried token stream", outside, counterparts[node])
             )
+        elif node in non_token:
+            crossings.append(Crossing(node, "pass", "carried non-token stream", outside))
         elif _is_token_aligned(meta, layout) and meta == stream_start.meta.get("tread_meta"):
             crossings.append(
                 Crossing(node, "scatter", "stream-shaped value", outside, stream_start)
@@ -244,6 +311,25 @@ def _leaving(region, info, route, stream, entering, layout) -> list[Crossing]:
         else:
             crossings.append(Crossing(node, "pass", "not token-aligned", outside))
     return crossings
+
+
+def _non_token_carried(g: nx.DiGraph, info: StreamInfo, route: Route) -> set[fx.Node]:
+    """Values carried from block to block at the route end that are not token streams.
+
+    A joint text stream has its own carried slot; when it happens to have as many tokens
+    as the image stream, its shape alone would make it look like a stream to scatter.
+    """
+    if route.end < info.depth:
+        end = info.blocks[route.end]
+        slots = input_slots(end.node)
+        carried = set(info.carried.get(end.list_path, {}).values())
+        family = _family_slots(g, info, end)
+        return {slots[k] for k in carried - family if k in slots}
+    last = info.blocks[-1]
+    outs = output_slots(last.node)
+    family = _family_slots(g, info, last)
+    carried = info.carried.get(last.list_path, {})
+    return {outs[o] for o, i in carried.items() if i not in family and o in outs}
 
 
 def _holds_token_aligned(meta: Any, layout: StreamLayout) -> bool:
@@ -319,7 +405,8 @@ def plan_route(
     )
     start = info.blocks[route.start]
     entering = _entering(g, (start, stream_start), region, info, layout, strict)
-    leaving = _leaving(region, info, route, (stream_start, stream_end), entering, layout)
+    non_token = _non_token_carried(g, info, route)
+    leaving = _leaving(region, info, route, (stream_start, stream_end), entering, layout, non_token)
     units = strategy.units(layout.num_tokens - layout.prefix, grid)
     keep = kept_units(units, route.rate)
     if keep < 1 or units < 1:
@@ -343,4 +430,5 @@ def plan_route(
         units,
         keep,
         layout.prefix + keep * per_unit,
+        any(c.shares_selection for c in entering),
     )

@@ -21,6 +21,7 @@ from tread_fx.ops import blend_tokens, gather_tokens, scatter_tokens
 from tread_fx.passes.plan import Crossing, RoutePlan
 from tread_fx.passes.trace import TensorMeta
 from tread_fx.selection import Strategy
+from tread_fx.token_tables import share_across_batch
 
 __all__ = ["rewrite_route", "append_route_outputs", "NOISE_PREFIX", "Reinsert"]
 
@@ -72,7 +73,7 @@ def _gather(graph: fx.Graph, crossing: Crossing, idx: fx.Node, plan: RoutePlan) 
         if crossing.action == "gather":
             new = graph.call_function(gather_tokens, (crossing.node, idx, layout.token_dim))
         else:
-            fields = dataclasses.asdict(layout)
+            fields = {**dataclasses.asdict(layout), **crossing.options}
             new = graph.call_function(crossing.action, (crossing.node, idx), fields)
     meta = crossing.node.meta.get("tread_meta")
     _mark(new, _with_tokens(meta, layout.token_dim, plan.kept_tokens), "gather", plan.index)
@@ -133,6 +134,8 @@ def rewrite_route(
     with graph.inserting_before(plan.start_block.node):
         kwargs = {"keep": plan.keep_units, "prefix": plan.layout.prefix, "grid": plan.layout.grid}
         idx = graph.call_function(strategy.select, (noise,), kwargs)
+        if plan.shared_selection:  # a batch-shared table enters: one subset for all samples
+            idx = graph.call_function(share_across_batch, (idx,))
     _mark(idx, None, "select", plan.index)
     for crossing in plan.entering:
         if crossing.action != "pass":

@@ -27,10 +27,26 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 import torch.fx as fx
 
-__all__ = ["SideValue", "Adapter", "register_adapter", "adapters", "StreamLayout"]
+from tread_fx.token_tables import (
+    RowMap,
+    batch_dim_of,
+    explain_rows,
+    find_rows,
+    per_sample_rope_table,
+    take_rows,
+    tensor_metas,
+)
+
+__all__ = [
+    "SideValue",
+    "Adapter",
+    "register_adapter",
+    "unregister_adapter",
+    "adapters",
+    "StreamLayout",
+]
 
 
 @dataclass(frozen=True)
@@ -78,13 +94,31 @@ class SideValue:
 
 @dataclass(frozen=True)
 class Adapter:
-    """A rule for side values: what it matches and what to do with it."""
+    """A rule for side values: what it matches and what to do with it.
+
+    Attributes:
+        name: Shown by ``explain`` and in the plan's reasons.
+        matches: ``matches(side) -> bool``.
+        action: ``"gather"``, ``"pass"``, or ``fn(value, kept_idx, **layout, **options)``.
+        doc: What the rule assumes about the values it matches.
+        builtin: Whether tread_fx registered it.
+        options: ``options(side) -> dict`` of extra keyword arguments for a function
+            action, decided at plan time (e.g. which dims hold token rows).
+        shares_selection: The action only works if every sample keeps the same tokens
+            (batch-shared tables): routes that this value enters share their selection
+            across the batch.
+        diagnose: ``diagnose(side) -> str | None``: for a value the rule is meant for but
+            cannot handle, why (added to strict mode's refusal).
+    """
 
     name: str
     matches: Callable[[SideValue], bool]
-    action: str | Callable[[torch.Tensor, torch.Tensor, StreamLayout], Any]
+    action: str | Callable[..., Any]
     doc: str = ""
     builtin: bool = field(default=False, compare=False)
+    options: Callable[[SideValue], dict[str, Any]] | None = field(default=None, compare=False)
+    shares_selection: bool = False
+    diagnose: Callable[[SideValue], str | None] | None = field(default=None, compare=False)
 
 
 _ADAPTERS: list[Adapter] = []
@@ -102,6 +136,17 @@ def register_adapter(adapter: Adapter, *, first: bool = True) -> Adapter:
     else:
         _ADAPTERS.append(adapter)
     return adapter
+
+
+def unregister_adapter(adapter: Adapter | str) -> None:
+    """Remove an adapter (or every adapter with that name) from the registry.
+
+    Example:
+        >>> from tread_fx.adapters import Adapter, register_adapter, unregister_adapter
+        >>> unregister_adapter(register_adapter(Adapter("tmp", lambda s: False, "pass")))
+    """
+    name = adapter if isinstance(adapter, str) else None
+    _ADAPTERS[:] = [a for a in _ADAPTERS if not (a is adapter or a.name == name)]
 
 
 def adapters() -> tuple[Adapter, ...]:
@@ -126,6 +171,167 @@ register_adapter(
             "Values that blocks receive only under conditioning/context argument names "
             "(encoder_hidden_states, context, c, temb, ...) are per-sample or text-token "
             "values, not image tokens: passed through even when their length equals N."
+        ),
+        builtin=True,
+    ),
+    first=False,
+)
+
+_ROTARY_NAMES = frozenset(
+    {"image_rotary_emb", "rotary_emb", "rotary_pos_emb", "rope", "rot_pos_embed", "rope_emb",
+     "freqs_cis", "freqs", "pos_emb", "position_embeddings", "rotary_embeddings",
+     "rotary_position_embeddings", "freqs_cos", "freqs_sin", "pe"}
+)  # fmt: skip
+_MASK_NAMES = frozenset(
+    {"attention_mask", "attn_mask", "mask", "key_padding_mask", "padding_mask",
+     "src_key_padding_mask", "joint_attention_mask"}
+)  # fmt: skip
+
+
+def _received_as(side: SideValue, names: frozenset[str]) -> bool:
+    return bool(side.arg_names) and side.arg_names <= names
+
+
+def _table_batch(side: SideValue) -> tuple[bool, int | None]:
+    """(is a tensor table, its batch dim or None) for a tensor or tuple of same-shape tensors."""
+    metas = tensor_metas(side.meta)
+    if metas is None:
+        return False, None
+    return True, batch_dim_of(metas[0], side)
+
+
+def _rows(side: SideValue, *, per_sample: bool, features_last: bool) -> RowMap | None:
+    is_table, batch = _table_batch(side)
+    if not is_table or (batch is not None) != per_sample:
+        return None
+    return find_rows(side, batch=batch, features_last=features_last, all_dims=not features_last)
+
+
+def _rope_rows(side: SideValue, per_sample: bool) -> RowMap | None:
+    if not _received_as(side, _ROTARY_NAMES):
+        return None
+    return _rows(side, per_sample=per_sample, features_last=True)
+
+
+def _mask_rows(side: SideValue, per_sample: bool) -> RowMap | None:
+    if not _received_as(side, _MASK_NAMES):
+        return None
+    return _rows(side, per_sample=per_sample, features_last=False)
+
+
+def _why_not(names: frozenset[str], features_last: bool):
+    def diagnose(side: SideValue) -> str | None:
+        if not _received_as(side, names):
+            return None
+        return explain_rows(side, features_last)
+
+    return diagnose
+
+
+def _from_timm_eva(side: SideValue) -> bool:
+    return any(c.__module__ == "timm.models.eva" for c in side.block_classes)
+
+
+def _eva_rope(side: SideValue) -> RowMap | None:
+    if "rope" not in side.arg_names or not _from_timm_eva(side):
+        return None
+    metas = tensor_metas(side.meta)
+    if metas is None or len(metas[0].shape) not in (2, 3):
+        return None
+    rows = find_rows(side, batch=None, features_last=True, all_dims=False)
+    fits = rows is not None
+    return rows if fits and rows.dims == (len(metas[0].shape) - 2,) else None
+
+
+register_adapter(
+    Adapter(
+        name="rope-timm-eva",
+        matches=lambda side: _eva_rope(side) is not None,
+        action=per_sample_rope_table,
+        options=lambda side: _eva_rope(side).options(None),
+        doc=(
+            "timm EVA-family blocks (timm.models.eva: EVA-02, RoPE-ViT) receive `rope`, a "
+            "batch-shared [R, d] (or per-depth [H, R, d]) table whose R rows are the patch "
+            "tokens (cls/register tokens have none). Their attention also accepts a "
+            "per-sample [B, 1|H, r, d] table, the layout timm's own patch dropout hands them; "
+            "so each sample's kept rows are gathered into that layout and the selection "
+            "stays per sample."
+        ),
+        builtin=True,
+    ),
+    first=False,
+)
+
+register_adapter(
+    Adapter(
+        name="rope-per-sample",
+        matches=lambda side: _rope_rows(side, per_sample=True) is not None,
+        action=take_rows,
+        options=lambda side: _rope_rows(side, True).options(_table_batch(side)[1]),
+        doc=(
+            "A RoPE table received under a rotary argument name (image_rotary_emb, rope, "
+            "freqs_cis, position_embeddings, ...) that has the batch dim (size B) and one "
+            "other non-feature dim of N (or N - prefix) rows, features last: each sample's "
+            "rows are gathered with its kept ids. Tables with extra rows (T + N) are cut only "
+            "when a concatenation in the graph shows where the N token rows are."
+        ),
+        builtin=True,
+    ),
+    first=False,
+)
+
+register_adapter(
+    Adapter(
+        name="rope-batch-shared",
+        matches=lambda side: _rope_rows(side, per_sample=False) is not None,
+        action=take_rows,
+        options=lambda side: _rope_rows(side, False).options(None),
+        shares_selection=True,
+        diagnose=_why_not(_ROTARY_NAMES, features_last=True),
+        doc=(
+            "A RoPE table received under a rotary argument name without a batch dim (or "
+            "with a broadcast dim of 1): [N, d], or Flux's [T + N, d] whose text rows come "
+            "first, as the concatenation of txt_ids and img_ids in the graph shows. The "
+            "attention broadcasts it over the batch in a way tread_fx cannot see, so it "
+            "cannot become per-sample: the route's selection is shared across the batch "
+            "(a fresh subset per step, the same for every sample) and the table keeps the "
+            "kept tokens' rows plus all non-token (text) rows, in their original order."
+        ),
+        builtin=True,
+    ),
+    first=False,
+)
+
+register_adapter(
+    Adapter(
+        name="attention-mask",
+        matches=lambda side: _mask_rows(side, per_sample=True) is not None,
+        action=take_rows,
+        options=lambda side: _mask_rows(side, True).options(_table_batch(side)[1]),
+        doc=(
+            "A mask received under a mask argument name (attention_mask, attn_mask, "
+            "key_padding_mask, ...) with the batch dim: a [B, N] key-padding mask or a "
+            "[B, 1|H, N|1, N] attention mask. Every dim of N rows is a token dim (query "
+            "and key) and is gathered per sample with the kept ids; a sub-mask of a causal "
+            "mask stays causal because kept ids are ascending."
+        ),
+        builtin=True,
+    ),
+    first=False,
+)
+
+register_adapter(
+    Adapter(
+        name="attention-mask-shared",
+        matches=lambda side: _mask_rows(side, per_sample=False) is not None,
+        action=take_rows,
+        options=lambda side: _mask_rows(side, False).options(None),
+        shares_selection=True,
+        diagnose=_why_not(_MASK_NAMES, features_last=False),
+        doc=(
+            "A mask received under a mask argument name without a batch dim ([N, N], "
+            "[1, 1, N, N]): indexed along its token dims with a selection shared across "
+            "the batch, keeping its shape apart from the token count."
         ),
         builtin=True,
     ),

@@ -235,6 +235,7 @@ def route(
     grid: tuple[int, int] | None = None,
     reinsert: Reinsert | None = None,
     reroute: bool = False,
+    share_selection: bool | None = None,
 ) -> nn.Module:
     """Make ``model`` train with TREAD token routing, in place.
 
@@ -257,6 +258,10 @@ def route(
         grid: Patch grid (H, W) for ``selection="rows"`` when it cannot be discovered.
         reinsert: How routed-around tokens re-enter (default: unchanged, scatter).
         reroute: Allow routing an already routed model (replaces its routing).
+        share_selection: ``None`` (default): every sample keeps its own tokens, except in
+            routes that a batch-shared token table enters (a ``[T + N, d]`` RoPE table, an
+            ``[N, N]`` mask), where one subset per step is shared by the whole batch.
+            ``True``: always share. ``False``: never; such a route is refused.
 
     Returns:
         ``model`` itself.
@@ -285,6 +290,7 @@ def route(
         grid,
         strict,
         reinsert or Reinsert(),
+        share_selection,
     )
     _check_depth_up_front(model, config)
     state = _RoutingState(config, seed, compile)

@@ -16,13 +16,14 @@ Example:
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch.fx as fx
 from torch import nn
 
-from tread_fx.errors import SelectionError
+from tread_fx.errors import SelectionError, SideInputError
 from tread_fx.passes.locate import StreamInfo, block_leaf_paths, locate, resolve_block_lists
 from tread_fx.passes.plan import RoutePlan, plan_route
 from tread_fx.passes.rewrite import Reinsert, append_route_outputs, rewrite_route
@@ -45,6 +46,7 @@ class RoutingConfig:
     grid: tuple[int, int] | None = None
     strict: bool = True
     reinsert: Reinsert = field(default_factory=Reinsert)
+    share_selection: bool | None = None
 
 
 @dataclass
@@ -74,7 +76,9 @@ def find_grid(model: nn.Module, num_tokens: int) -> tuple[int, int] | None:
         if isinstance(grid, (tuple, list)) and len(grid) == 2 and grid[0] * grid[1] == num_tokens:
             return int(grid[0]), int(grid[1])
     for module in candidates:
-        h, w, p = (getattr(module, k, None) for k in ("height", "width", "patch_size"))
+        with warnings.catch_warnings():  # diffusers warns on config attributes read directly
+            warnings.simplefilter("ignore", FutureWarning)
+            h, w, p = (getattr(module, k, None) for k in ("height", "width", "patch_size"))
         if all(isinstance(v, int) for v in (h, w, p)) and (h // p) * (w // p) == num_tokens:
             return h // p, w // p
     return None
@@ -95,6 +99,23 @@ def _grid_for(model: nn.Module, config: RoutingConfig, info: StreamInfo) -> tupl
             "grid=(H, W) to route()."
         )
     return grid
+
+
+def _apply_share_selection(plan: RoutePlan, share: bool | None) -> None:
+    """Force, allow (``None``: where an adapter needs it) or refuse a batch-shared selection."""
+    if share is None:
+        return
+    needing = [c.node.name for c in plan.entering if c.shares_selection]
+    if share is False and needing:
+        route = plan.route
+        raise SideInputError(
+            f"route ({route.start}, {route.end}) receives batch-shared token tables "
+            f"{needing} (no batch dim), which can follow the kept tokens only if every sample "
+            "keeps the same ones, but share_selection=False was asked for. Pass "
+            "share_selection=None (the default) to share the selection where needed, or "
+            "register an adapter that makes these tables per-sample."
+        )
+    plan.shared_selection = share
 
 
 def build(model: nn.Module, args: tuple, kwargs: dict, config: RoutingConfig) -> Built:
@@ -120,6 +141,7 @@ def build(model: nn.Module, args: tuple, kwargs: dict, config: RoutingConfig) ->
     plans, idx_nodes = [], []
     for i, route in enumerate(routes):
         plan = plan_route(traced.gm, info, route, i, strategy, grid, config.strict)
+        _apply_share_selection(plan, config.share_selection)
         idx_nodes.append(rewrite_route(traced.gm, plan, strategy, config.reinsert, embedded))
         plans.append(plan)
     num_outputs = append_route_outputs(traced.gm, idx_nodes)

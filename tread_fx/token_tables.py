@@ -1,0 +1,328 @@
+"""Token tables: side values with one row per token, and how to cut them to the kept tokens.
+
+RoPE tables and attention masks enter the blocks beside the token stream. Their token rows
+must follow the stream's selection. Two layouts exist:
+
+- *per-sample* tables carry the batch dim (``[B, N, d]`` cos/sin, ``[B, N]`` key-padding
+  masks, ``[B, 1, N, N]`` attention masks): their rows are gathered per sample with the
+  stream's kept ids, so every sample keeps its own subset.
+- *batch-shared* tables have no batch dim (or a broadcast dim of size 1): ``[N, d]`` RoPE
+  tables, Flux's ``[T + N, d]`` text-then-image table, ``[N, N]`` masks. A consumer written
+  for such a table broadcasts it over the batch in ways tread_fx cannot see
+  (``cos[None, :, None, :]``), so it cannot be handed a per-sample table. The selection of a
+  route that such a table enters is therefore shared across the batch (one fresh random
+  subset per step, the same for every sample), and the table's rows are indexed with it:
+  the table keeps its shape except for the row count.
+
+A :class:`RowMap` says which dims hold token rows and how table rows relate to stream
+tokens: ``lead`` rows in front that are not stream tokens (Flux's text rows, always kept),
+``skip`` leading stream tokens that have no row (timm EVA's tables leave out cls/register
+tokens), and ``trail`` rows after the token rows (always kept).
+
+Example:
+    >>> import torch
+    >>> from tread_fx.token_tables import take_rows
+    >>> table = torch.arange(6.0).view(6, 1)          # 2 text rows, then 4 image rows
+    >>> idx = torch.tensor([[0, 3], [1, 2]])          # kept image tokens (per sample)
+    >>> take_rows(table, idx[:1].expand(2, 2), dims=(0,), lead=2, skip=0, trail=0,
+    ...           batch=None)[:, 0].tolist()
+    [0.0, 1.0, 2.0, 5.0]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.fx as fx
+
+from tread_fx.passes.trace import TensorMeta
+
+if TYPE_CHECKING:
+    from tread_fx.adapters import SideValue
+
+__all__ = [
+    "RowMap",
+    "find_rows",
+    "explain_rows",
+    "take_rows",
+    "per_sample_rope_table",
+    "share_across_batch",
+    "tensor_metas",
+    "batch_dim_of",
+]
+
+_CAT = (torch.cat, torch.concat, torch.concatenate)
+_SEARCH_LIMIT = 400
+_IMAGE_WORDS = ("img", "image", "latent", "video", "vid", "patch", "pixel", "visual")
+
+
+@dataclass(frozen=True)
+class RowMap:
+    """Where a table's token rows are and how they map to stream tokens.
+
+    Attributes:
+        dims: Dims of the table that hold token rows (one for RoPE tables, two for a
+            query x key mask).
+        lead: Rows before the token rows that are not stream tokens (always kept).
+        skip: Leading stream tokens that have no row (prefix tokens left out of the table).
+        trail: Rows after the token rows (always kept).
+    """
+
+    dims: tuple[int, ...]
+    lead: int = 0
+    skip: int = 0
+    trail: int = 0
+
+    def options(self, batch: int | None) -> dict[str, Any]:
+        """Keyword arguments of :func:`take_rows` for this map."""
+        return {"dims": self.dims, "lead": self.lead, "skip": self.skip, "trail": self.trail,
+                "batch": batch}  # fmt: skip
+
+
+def tensor_metas(meta: Any) -> list[TensorMeta] | None:
+    """The ``TensorMeta`` of a value, or of each element of a flat tuple/list of tensors.
+
+    Returns ``None`` when the value holds anything else, or tensors of differing shapes.
+    """
+    metas = list(meta) if isinstance(meta, (tuple, list)) else [meta]
+    if not metas or not all(isinstance(m, TensorMeta) for m in metas):
+        return None
+    return metas if len({m.shape for m in metas}) == 1 else None
+
+
+def batch_dim_of(meta: TensorMeta, side: SideValue) -> int | None:
+    """The dim of ``meta`` that holds the batch (size B > 1), or ``None`` if it has none."""
+    stream = side.stream
+    if stream.batch_size == 1:
+        return None
+    for dim in (stream.batch_dim, 0):
+        if dim < len(meta.shape) and meta.shape[dim] == stream.batch_size:
+            return dim
+    return None
+
+
+def _row_sizes(side: SideValue) -> dict[int, int]:
+    """Table row counts that map directly to stream tokens, with the ``skip`` they imply."""
+    n, prefix = side.stream.num_tokens, side.stream.prefix
+    sizes = {n: 0}
+    if prefix:
+        sizes.setdefault(n - prefix, prefix)
+    return sizes
+
+
+def find_rows(
+    side: SideValue, *, batch: int | None, features_last: bool, all_dims: bool
+) -> RowMap | None:
+    """Find the token rows of a table entering a routed region.
+
+    Args:
+        side: The side value (a tensor or a tuple of same-shape tensors).
+        batch: The table's batch dim (excluded from the search), or ``None``.
+        features_last: The last dim holds features, never tokens (RoPE tables).
+        all_dims: Every dim of the token size is a token dim (a query x key mask);
+            otherwise exactly one dim must qualify.
+
+    Returns:
+        The :class:`RowMap`, or ``None`` when the table's rows cannot be tied to the stream's
+        tokens unambiguously.
+    """
+    metas = tensor_metas(side.meta)
+    if metas is None:
+        return None
+    shape = metas[0].shape
+    dims = [d for d in range(len(shape) - int(features_last)) if d != batch]
+    sizes = _row_sizes(side)
+    direct = [d for d in dims if shape[d] in sizes]
+    if direct and (all_dims or len(direct) == 1):
+        if len({shape[d] for d in direct}) != 1:
+            return None
+        return RowMap(tuple(direct), skip=sizes[shape[direct[0]]])
+    if direct:
+        return None
+    return _rows_with_extra(side.node, shape, dims, side.stream.num_tokens)
+
+
+def _rows_with_extra(node: fx.Node, shape: tuple, dims: list[int], n: int) -> RowMap | None:
+    """Find token rows among extra rows by the concatenation that built them.
+
+    A table of ``T + N`` rows (Flux: text ids then image ids) is tied to the stream only if
+    the graph concatenates it (or the ids it is computed from) from parts of which exactly
+    one has ``N`` rows; the rows before that part are ``lead``, the rows after it ``trail``.
+    """
+    for dim in dims:
+        rows = shape[dim]
+        if rows <= n:
+            continue
+        parts = _cat_parts(node, rows, n)
+        if parts is not None:
+            lead, trail = parts
+            return RowMap((dim,), lead=lead, trail=trail)
+    return None
+
+
+def _cat_parts(node: fx.Node, rows: int, n: int) -> tuple[int, int] | None:
+    """Search ``node``'s ancestors for a cat of ``rows`` rows with one part of ``n`` rows."""
+    seen, todo = {node}, [node]
+    while todo and len(seen) < _SEARCH_LIMIT:
+        current = todo.pop(0)
+        if current.op == "call_function" and current.target in _CAT:
+            found = _split_of(current, rows, n)
+            if found is not None:
+                return found
+        for arg in current.all_input_nodes:
+            if arg not in seen:
+                seen.add(arg)
+                todo.append(arg)
+    return None
+
+
+def _split_of(cat: fx.Node, rows: int, n: int) -> tuple[int, int] | None:
+    parts = cat.args[0] if cat.args else cat.kwargs.get("tensors", ())
+    dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
+    out = cat.meta.get("tread_meta")
+    if not isinstance(out, TensorMeta) or not isinstance(dim, int):
+        return None
+    dim %= len(out.shape)
+    if out.shape[dim] != rows:
+        return None
+    sizes = [_size(p, dim) for p in parts]
+    if None in sizes or n not in sizes:
+        return None
+    candidates = [i for i, size in enumerate(sizes) if size == n]
+    if len(candidates) > 1:  # T == N: the part built from the image/latent ids input
+        candidates = [i for i in candidates if _from_image_input(parts[i])]
+    if len(candidates) != 1:
+        return None
+    at = candidates[0]
+    return sum(sizes[:at]), sum(sizes[at + 1 :])
+
+
+def _from_image_input(part: fx.Node) -> bool:
+    """Whether ``part`` is computed from a model input named like image ids (``img_ids``)."""
+    seen, todo = set(), [part]
+    while todo and len(seen) < _SEARCH_LIMIT:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        name = node.meta.get("tread_input_name", "") if node.op == "placeholder" else ""
+        if any(word in name.lower() for word in _IMAGE_WORDS):
+            return True
+        todo.extend(node.all_input_nodes)
+    return False
+
+
+def explain_rows(side: SideValue, features_last: bool) -> str:
+    """Why :func:`find_rows` found no token rows in ``side`` (for refusal messages)."""
+    metas = tensor_metas(side.meta)
+    if metas is None:
+        return "it is not a tensor or a tuple of same-shape tensors"
+    n, prefix = side.stream.num_tokens, side.stream.prefix
+    sizes = f"{n}" + (f" or {n - prefix}" if prefix else "")
+    what = "no non-feature dim" if features_last else "no dim"
+    return (
+        f"{what} of shape {metas[0].shape} has {sizes} rows, or more rows built by a "
+        f"concatenation with exactly one part of {n} rows (ties broken by an input named "
+        "like img_ids), so its token rows cannot be told apart from other rows"
+    )
+
+
+def _size(part: Any, dim: int) -> int | None:
+    meta = part.meta.get("tread_meta") if isinstance(part, fx.Node) else None
+    return meta.shape[dim] if isinstance(meta, TensorMeta) and dim < len(meta.shape) else None
+
+
+# -- runtime ops (inserted into routed graphs) -----------------------------------------------
+
+
+def _row_ids(idx: torch.Tensor, rows: int, lead: int, skip: int, trail: int) -> torch.Tensor:
+    """Table rows [B, r] kept for the kept stream tokens ``idx`` [B, k]."""
+    ids = idx[:, skip:] - skip + lead
+    pieces = []
+    if lead:
+        pieces.append(torch.arange(lead, device=idx.device).expand(idx.shape[0], lead))
+    pieces.append(ids)
+    if trail:
+        tail = torch.arange(rows - trail, rows, device=idx.device)
+        pieces.append(tail.expand(idx.shape[0], trail))
+    return torch.cat(pieces, dim=1) if len(pieces) > 1 else ids
+
+
+def _take_per_sample(x: torch.Tensor, ids: torch.Tensor, batch: int, dim: int) -> torch.Tensor:
+    view = [1] * x.dim()
+    view[batch], view[dim] = ids.shape
+    ordered = ids if batch < dim else ids.transpose(0, 1)
+    target = list(x.shape)
+    target[dim] = ids.shape[1]
+    return x.gather(dim, ordered.reshape(view).expand(target))
+
+
+def _take_one(x: Any, idx: torch.Tensor, dims, lead, skip, trail, batch) -> Any:
+    if not isinstance(x, torch.Tensor):
+        return x
+    for dim in dims:
+        ids = _row_ids(idx, x.shape[dim], lead, skip, trail)
+        shared = batch is None
+        x = x.index_select(dim, ids[0]) if shared else _take_per_sample(x, ids, batch, dim)
+    return x
+
+
+def take_rows(
+    value: Any,
+    idx: torch.Tensor,
+    *,
+    dims: tuple[int, ...],
+    lead: int,
+    skip: int,
+    trail: int,
+    batch: int | None,
+    **layout: Any,
+) -> Any:
+    """Keep the table rows of the kept tokens ``idx`` [B, k] (prefix ids first).
+
+    Args:
+        value: A tensor, or a tuple/list of tensors (e.g. ``(cos, sin)``).
+        idx: The route's kept token ids.
+        dims: Dims holding token rows.
+        lead: Rows before the token rows (kept).
+        skip: Leading stream tokens without a row.
+        trail: Rows after the token rows (kept).
+        batch: The table's batch dim for a per-sample gather; ``None`` for a batch-shared
+            table, indexed with the first sample's ids (the selection is shared).
+        **layout: The stream layout (unused; passed to every adapter action).
+
+    Returns:
+        The value with only the kept rows, same structure and rank.
+    """
+    if isinstance(value, (tuple, list)):
+        return type(value)(_take_one(v, idx, dims, lead, skip, trail, batch) for v in value)
+    return _take_one(value, idx, dims, lead, skip, trail, batch)
+
+
+def per_sample_rope_table(
+    value: Any, idx: torch.Tensor, *, lead: int, skip: int, trail: int, **layout: Any
+) -> Any:
+    """Turn a batch-shared ``[..., R, d]`` table into a per-sample ``[B, H, r, d]`` one.
+
+    A 2-D ``[R, d]`` table becomes ``[B, 1, r, d]``, a 3-D ``[H, R, d]`` one ``[B, H, r, d]``:
+    the layout timm's own patch dropout hands its EVA-family blocks.
+    """
+
+    def one(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        table = x if x.dim() == 3 else x.unsqueeze(0)
+        batched = table.unsqueeze(0).expand(idx.shape[0], *table.shape)
+        ids = _row_ids(idx, x.shape[-2], lead, skip, trail)
+        return _take_per_sample(batched, ids, 0, 2)
+
+    if isinstance(value, (tuple, list)):
+        return type(value)(one(v) for v in value)
+    return one(value)
+
+
+def share_across_batch(idx: torch.Tensor) -> torch.Tensor:
+    """Give every sample the first sample's kept ids (a batch-shared selection)."""
+    return idx[:1].expand_as(idx)
