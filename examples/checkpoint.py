@@ -31,6 +31,7 @@ __all__ = [
     "FORMAT_VERSION",
     "find_checkpoint",
     "load_checkpoint",
+    "read_meta",
     "read_tensors",
     "save_checkpoint",
 ]
@@ -62,7 +63,11 @@ def _join_optimizer(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> d
             state.setdefault(int(pid), {})[name] = value
     for pid, entries in meta["scalars"].items():
         state.setdefault(int(pid), {}).update(entries)
-    return {"state": state, "param_groups": meta["param_groups"]}
+    groups = [  # JSON turned tuples (AdamW's betas) into lists
+        {k: tuple(v) if isinstance(v, list) and k != "params" else v for k, v in group.items()}
+        for group in meta["param_groups"]
+    ]
+    return {"state": state, "param_groups": groups}
 
 
 def save_checkpoint(
@@ -159,6 +164,35 @@ def _load_module(module: nn.Module, path: Path) -> None:
         raise CheckpointError(f"{path}: does not match the model ({detail})") from None
 
 
+def read_meta(path: str | Path) -> tuple[Path, dict[str, Any]]:
+    """Resolves ``path`` (see :func:`find_checkpoint`) and reads its ``meta.json``.
+
+    Returns:
+        ``(checkpoint directory, meta record)``.
+
+    Raises:
+        CheckpointError: Missing, corrupt or of another format, naming the file.
+    """
+    directory = find_checkpoint(path)
+    meta_path = directory / "meta.json"
+    try:
+        meta = json.loads(meta_path.read_text())
+        version = meta.get("format")
+    except (OSError, ValueError, AttributeError) as err:
+        raise CheckpointError(f"{meta_path}: corrupt or unreadable ({err})") from None
+    if version != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{meta_path}: format {version!r}, this script reads {FORMAT_VERSION}"
+        )
+    try:
+        meta["step"] = int(meta["step"])
+        meta["optimizer"]["param_groups"]  # noqa: B018 - must be present
+    except (ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"{meta_path}: incomplete ({err!r})") from None
+    meta["path"] = str(directory)
+    return directory, meta
+
+
 def load_checkpoint(
     path: str | Path,
     model: nn.Module,
@@ -179,18 +213,8 @@ def load_checkpoint(
     Raises:
         CheckpointError: Missing, corrupt or mismatched files, naming the file.
     """
-    directory = find_checkpoint(path)
-    meta_path = directory / "meta.json"
-    try:
-        meta = json.loads(meta_path.read_text())
-        step = int(meta["step"])
-        optim_meta = meta["optimizer"]
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise CheckpointError(f"{meta_path}: corrupt or incomplete ({err})") from None
-    if meta.get("format") != FORMAT_VERSION:
-        raise CheckpointError(
-            f"{meta_path}: format {meta.get('format')!r}, this script reads {FORMAT_VERSION}"
-        )
+    directory, meta = read_meta(path)
+    optim_meta = meta["optimizer"]
     _load_module(model, directory / "model.safetensors")
     if ema is not None:
         _load_module(ema, directory / "ema.safetensors")
@@ -202,6 +226,4 @@ def load_checkpoint(
         except (ValueError, KeyError, RuntimeError) as err:
             raise CheckpointError(f"{state_path}: optimizer state does not fit ({err})") from None
     rng = {k[len("rng/") :]: v for k, v in state.items() if k.startswith("rng/")}
-    meta["step"] = step
-    meta["path"] = str(directory)
     return meta, rng

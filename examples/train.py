@@ -48,7 +48,7 @@ from tread_fx.errors import TreadFxError  # noqa: E402
 FAMILIES = {  # name -> (module, model dict, class name, small defaults for the example)
     "dit": ("tread_fx.models.dit", "DiT_models", "DiT", {"depth": 8, "num_heads": 4}),
     "mamba": ("tread_fx.models.mamba", "Mamba_models", "DiffusionMamba", {"depth": 8}),
-    "rwkv": ("tread_fx.models.rwkv", "RWKV_models", None, {"depth": 8}),
+    "rwkv": ("tread_fx.models.rwkv", "RWKV_models", "DiffusionRWKV", {"depth": 8}),
 }
 SMALL = {"hidden_size": 128, "patch_size": 2}
 ARCH_ARGS = ("model", "depth", "width", "heads", "patch_size", "objective", "data", "learn_sigma")
@@ -290,7 +290,7 @@ def train(args: argparse.Namespace) -> dict:
 
     step, train_time = 0, 0.0
     if args.resume:
-        meta, rng = ckpt.load_checkpoint(args.resume, core, ema, opt)
+        _, meta = ckpt.read_meta(args.resume)
         old = meta.get("args", {})
         changed = [k for k in ARCH_ARGS if k in old and old[k] != getattr(args, k)]
         if changed:
@@ -298,6 +298,7 @@ def train(args: argparse.Namespace) -> dict:
                 f"{meta['path']}/meta.json: saved with different "
                 + ", ".join(f"--{k.replace('_', '-')} {old[k]}" for k in changed)
             )
+        meta, rng = ckpt.load_checkpoint(meta["path"], core, ema, opt)
         step, train_time = meta["step"], float(meta.get("train_time", 0.0))
         if f"gen/{rank}" in rng:
             torch.set_rng_state(rng[f"cpu/{rank}"])
