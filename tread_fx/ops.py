@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["gather_tokens", "scatter_tokens", "blend_tokens", "routed_mask"]
+__all__ = ["gather_tokens", "scatter_tokens", "blend_tokens", "routed_mask", "call_in_fp32"]
 
 
 def _token_index(idx: torch.Tensor, like: torch.Tensor, token_dim: int) -> torch.Tensor:
@@ -46,7 +46,9 @@ def scatter_tokens(
     """
     dtype = torch.promote_types(base.dtype, src.dtype)
     index = _token_index(idx, src, token_dim)
-    return base.to(dtype).scatter(token_dim, index, src.to(dtype))
+    out = torch.empty_like(base, dtype=dtype)  # base's strides: later reductions sum alike
+    out.copy_(base)
+    return out.scatter_(token_dim, index, src.to(dtype))
 
 
 def blend_tokens(
@@ -71,3 +73,14 @@ def routed_mask(idx: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """Return a bool [B, N] mask, True for tokens NOT in ``idx`` (the routed-around ones)."""
     mask = torch.ones(idx.shape[0], num_tokens, dtype=torch.bool, device=idx.device)
     return mask.scatter(1, idx, False)
+
+
+def call_in_fp32(module: torch.nn.Module, *args, **kwargs):
+    """Call ``module`` outside autocast with floating tensor arguments in float32.
+
+    The authors run the first block after a route this way for stability under bf16.
+    """
+    device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
+    to32 = lambda a: a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+    with torch.autocast(device_type=device, enabled=False):
+        return module(*map(to32, args), **{k: to32(v) for k, v in kwargs.items()})
