@@ -17,7 +17,7 @@ from typing import Any
 import torch.fx as fx
 from torch.utils.checkpoint import checkpoint
 
-from tread_fx.ops import blend_tokens, gather_tokens, scatter_tokens
+from tread_fx.ops import blend_tokens, call_in_fp32, gather_tokens, scatter_tokens
 from tread_fx.passes.plan import Crossing, RoutePlan
 from tread_fx.passes.trace import TensorMeta
 from tread_fx.selection import Strategy
@@ -146,15 +146,25 @@ def rewrite_route(
     return idx
 
 
-def _restore_checkpointing(graph: fx.Graph) -> None:
-    """Call blocks that the model ran through activation checkpointing that way again."""
+def _wrap_marked_blocks(graph: fx.Graph) -> None:
+    """Re-apply what a block call needs beyond a plain call.
+
+    Blocks the model ran through activation checkpointing (``meta["tread_checkpoint"]``) are
+    checkpointed again (non-reentrant); the first block after a route with
+    ``fp32_reentry=True`` (``meta["tread_fp32"]``) runs outside autocast in float32.
+    """
     for node in list(graph.nodes):
-        if node.op != "call_module" or not node.meta.get("tread_checkpoint"):
+        checkpointed, fp32 = node.meta.get("tread_checkpoint"), node.meta.get("tread_fp32")
+        if node.op != "call_module" or not (checkpointed or fp32):
             continue
         with graph.inserting_before(node):
-            module = graph.get_attr(node.target)
-            kwargs = {**node.kwargs, "use_reentrant": False}
-            call = graph.call_function(checkpoint, (module, *node.args), kwargs)
+            args = (graph.get_attr(node.target), *node.args)
+            if fp32 and not checkpointed:
+                call = graph.call_function(call_in_fp32, args, dict(node.kwargs))
+            else:
+                args = (call_in_fp32, *args) if fp32 else args
+                kwargs = {**node.kwargs, "use_reentrant": False}
+                call = graph.call_function(checkpoint, args, kwargs)
         call.meta.update(node.meta)
         node.replace_all_uses_with(call)
         graph.erase_node(node)
@@ -163,10 +173,10 @@ def _restore_checkpointing(graph: fx.Graph) -> None:
 def append_route_outputs(gm: fx.GraphModule, idx_nodes: list[fx.Node]) -> int:
     """Append the routes' kept ids to the graph outputs; return the model's output count.
 
-    Also puts activation checkpointing back on blocks the model checkpointed, then lints
-    and recompiles the graph.
+    Also wraps marked block calls (checkpointing, fp32 re-entry), then lints and recompiles
+    the graph.
     """
-    _restore_checkpointing(gm.graph)
+    _wrap_marked_blocks(gm.graph)
     output = next(n for n in gm.graph.nodes if n.op == "output")
     model_outputs = tuple(output.args[0])
     output.args = (model_outputs + tuple(idx_nodes),)

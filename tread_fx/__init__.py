@@ -6,9 +6,10 @@ Example:
     >>> model = tread_fx.route(model, routes=[(2, 8)], rate=0.5)
 """
 
-from tread_fx import adapters, errors, ops, registry, routes, selection
+from tread_fx import adapters, errors, guidance, losses, ops, registry, routes, selection
 from tread_fx.api import RouteInfo, is_routed, route, route_info, routed_graphs, unroute
 from tread_fx.errors import *  # noqa: F403
+from tread_fx.guidance import force_routing, sparse_guidance
 from tread_fx.passes.rewrite import Reinsert
 from tread_fx.registry import register_leaf_function, register_leaf_module
 from tread_fx.routes import Route
@@ -23,7 +24,10 @@ __all__ = [
     "Route",
     "RouteInfo",
     "adapters",
+    "force_routing",
+    "guidance",
     "is_routed",
+    "losses",
     "models",
     "ops",
     "passes",
@@ -35,5 +39,6 @@ __all__ = [
     "routed_graphs",
     "routes",
     "selection",
+    "sparse_guidance",
     "unroute",
 ]

@@ -29,6 +29,7 @@ from torch.utils import _pytree as pytree
 
 from tread_fx.errors import (
     AlreadyRoutedError,
+    InvalidRateError,
     NotRoutedError,
     RoutedGraphError,
     TreadFxError,
@@ -82,16 +83,25 @@ class _Entry:
 class _RoutingState:
     """Per-model routing state, kept in ``model.__dict__`` (not a submodule or buffer)."""
 
-    def __init__(self, config: RoutingConfig, seed: int | None, compile: bool | dict) -> None:
+    def __init__(
+        self,
+        config: RoutingConfig,
+        seed: int | None,
+        compile: bool | dict,
+        routing_probability: float = 1.0,
+    ) -> None:
         self.config = config
         self.seed = seed
         self.compile = compile
+        self.routing_probability = routing_probability
+        self.forced: RoutingConfig | None = None
         self.entries: OrderedDict[Any, _Entry] = OrderedDict()
         self.generators: dict[torch.device, torch.Generator] = {}
         self.last_info: list[RouteInfo] | None = None
 
     def __deepcopy__(self, memo: dict) -> _RoutingState:
-        clone = _RoutingState(copy.deepcopy(self.config, memo), self.seed, self.compile)
+        config = copy.deepcopy(self.config, memo)
+        clone = _RoutingState(config, self.seed, self.compile, self.routing_probability)
         for device, gen in self.generators.items():
             clone.generators[device] = torch.Generator(device).set_state(gen.get_state())
         return clone
@@ -105,13 +115,22 @@ class _RoutingState:
             gen = self.generators[device] = torch.Generator(device).manual_seed(self.seed)
         return torch.rand(shape, device=device, generator=gen)
 
+    def _route_this_step(self) -> bool:
+        if self.routing_probability >= 1.0:
+            return True
+        return float(self._noise((), torch.device("cpu"))) < self.routing_probability
+
     # -- calls ------------------------------------------------------------------------------
     def call(self, model: nn.Module, args: tuple, kwargs: dict) -> Any:
+        config = self.forced or self.config
+        if self.forced is None and not self._route_this_step():
+            self.last_info = None  # an unrouted step
+            return type(model).forward(model, *args, **kwargs)
         flat, spec = pytree.tree_flatten((args, kwargs))
-        key = _signature(model, spec, flat)
+        key = (_signature(model, spec, flat), None if config is self.config else repr(config))
         entry = self.entries.get(key)
         if entry is None:
-            entry = self.entries[key] = self._build(model, args, kwargs)
+            entry = self.entries[key] = self._build(model, args, kwargs, config)
             while len(self.entries) > _MAX_TRACES:
                 self.entries.popitem(last=False)
         self.entries.move_to_end(key)
@@ -146,8 +165,10 @@ class _RoutingState:
         entry.checked = True
         return out
 
-    def _build(self, model: nn.Module, args: tuple, kwargs: dict) -> _Entry:
-        built = build(model, args, kwargs, self.config)
+    def _build(
+        self, model: nn.Module, args: tuple, kwargs: dict, config: RoutingConfig | None = None
+    ) -> _Entry:
+        built = build(model, args, kwargs, config or self.config)
         fn = type(built.gm).forward
         if self.compile:
             options = self.compile if isinstance(self.compile, dict) else {}
@@ -176,9 +197,10 @@ def _signature(model: nn.Module, spec: pytree.TreeSpec, flat: list) -> tuple:
 
 
 def _routed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    if not self.training:
+    state = self.__dict__[_STATE]
+    if not self.training and state.forced is None:
         return type(self).forward(self, *args, **kwargs)
-    return self.__dict__[_STATE].call(self, args, kwargs)
+    return state.call(self, args, kwargs)
 
 
 def _check_unwrapped(model: Any) -> None:
@@ -236,6 +258,8 @@ def route(
     reinsert: Reinsert | None = None,
     reroute: bool = False,
     share_selection: bool | None = None,
+    fp32_reentry: bool = False,
+    routing_probability: float = 1.0,
 ) -> nn.Module:
     """Make ``model`` train with TREAD token routing, in place.
 
@@ -262,6 +286,10 @@ def route(
             routes that a batch-shared token table enters (a ``[T + N, d]`` RoPE table, an
             ``[N, N]`` mask), where one subset per step is shared by the whole batch.
             ``True``: always share. ``False``: never; such a route is refused.
+        fp32_reentry: Run the first block after each route outside autocast, in float32
+            (the authors' stability measure under bf16).
+        routing_probability: Route on this fraction of training steps (drawn per call from
+            the selection generator); the other steps run the original forward.
 
     Returns:
         ``model`` itself.
@@ -291,9 +319,10 @@ def route(
         strict,
         reinsert or Reinsert(),
         share_selection,
+        fp32_reentry,
     )
     _check_depth_up_front(model, config)
-    state = _RoutingState(config, seed, compile)
+    state = _RoutingState(config, seed, compile, _check_probability(routing_probability))
     if example_inputs is not None:
         args, kwargs = _split_example(example_inputs)
         flat, spec = pytree.tree_flatten((args, kwargs))
@@ -305,6 +334,16 @@ def route(
     model.__dict__[_STATE] = state
     model.__dict__["forward"] = types.MethodType(_routed_forward, model)
     return model
+
+
+def _check_probability(probability: object) -> float:
+    ok = isinstance(probability, (int, float)) and not isinstance(probability, bool)
+    if not ok or not 0.0 < float(probability) <= 1.0:
+        raise InvalidRateError(
+            f"routing_probability={probability!r} was given; it is the fraction of training "
+            "steps that are routed and must be in (0, 1] (1 routes every step)."
+        )
+    return float(probability)
 
 
 def _split_example(example: Any) -> tuple[tuple, dict]:

@@ -47,6 +47,7 @@ class RoutingConfig:
     strict: bool = True
     reinsert: Reinsert = field(default_factory=Reinsert)
     share_selection: bool | None = None
+    fp32_reentry: bool = False
 
 
 @dataclass
@@ -144,5 +145,7 @@ def build(model: nn.Module, args: tuple, kwargs: dict, config: RoutingConfig) ->
         _apply_share_selection(plan, config.share_selection)
         idx_nodes.append(rewrite_route(traced.gm, plan, strategy, config.reinsert, embedded))
         plans.append(plan)
+        if config.fp32_reentry and plan.end_block is not None:
+            plan.end_block.node.meta["tread_fp32"] = True
     num_outputs = append_route_outputs(traced.gm, idx_nodes)
     return Built(traced, info, routes, plans, num_outputs)
