@@ -32,6 +32,9 @@ __all__ = [
     "RoutedGraphError",
     "CheckpointError",
     "RegistrationError",
+    "ModelSpecError",
+    "ExampleInputError",
+    "GraphvizNotFoundError",
 ]
 
 
@@ -93,3 +96,15 @@ class CheckpointError(TreadFxError, ValueError):
 
 class RegistrationError(TreadFxError, TypeError):
     """Something of the wrong kind was given to a registry."""
+
+
+class ModelSpecError(TreadFxError, ValueError):
+    """A ``package.module:factory`` model spec (``tread-fx`` CLI) cannot be loaded."""
+
+
+class ExampleInputError(TreadFxError, ValueError):
+    """Example inputs for a model cannot be made from its signature and the options given."""
+
+
+class GraphvizNotFoundError(TreadFxError, RuntimeError):
+    """Rendering SVG needs Graphviz's ``dot`` program, which is not installed."""
