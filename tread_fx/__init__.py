@@ -9,6 +9,7 @@ Example:
 from tread_fx import adapters, errors, guidance, losses, ops, registry, routes, selection
 from tread_fx.api import RouteInfo, is_routed, route, route_info, routed_graphs, unroute
 from tread_fx.errors import *  # noqa: F403
+from tread_fx.explain import explain
 from tread_fx.guidance import force_routing, sparse_guidance
 from tread_fx.passes.rewrite import Reinsert
 from tread_fx.registry import register_leaf_function, register_leaf_module
@@ -24,6 +25,7 @@ __all__ = [
     "Route",
     "RouteInfo",
     "adapters",
+    "explain",
     "force_routing",
     "guidance",
     "is_routed",

@@ -1,0 +1,287 @@
+"""The ``tread-fx`` command: explain or diff the routing of a model from the shell.
+
+Usage::
+
+    tread-fx explain tread_fx.models:DiT_B_2 --routes 2:9 --rate 0.5
+    tread-fx explain tread_fx.models:DiT_S_2 --kwargs '{"depth": 4}' --format html --out a.html
+    tread-fx diff my_pkg.nets:make_model --input-shape 1,4,32,32 --routes 2:-4 --format dot
+
+MODEL is ``package.module:factory`` (``factory`` may be a dotted attribute path); the factory is
+called with ``--model-kwargs`` (JSON). Example inputs come from ``--input-shape`` or from the
+model's attributes (see :mod:`tread_fx.inputs`). Exit status: 0 on success, 1 when the model
+cannot be explained (the message says why), 2 for bad command lines.
+
+Example:
+    >>> from tread_fx.cli import parse_route_specs
+    >>> parse_route_specs(["2:9", "10:12:0.25"])
+    [(2, 9), (10, 12, 0.25)]
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import importlib
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+
+from tread_fx.errors import ExampleInputError, InvalidRouteError, ModelSpecError, TreadFxError
+
+__all__ = ["main", "build_parser", "load_model", "parse_route_specs", "parse_shape"]
+
+FORMATS = ("text", "json", "dot", "svg", "html")
+
+
+def parse_route_specs(specs: Sequence[str]) -> list[tuple]:
+    """Parse ``START:END`` or ``START:END:RATE`` items (also comma-separated in one string).
+
+    Raises:
+        InvalidRouteError: for anything else.
+    """
+    routes: list[tuple] = []
+    for spec in specs:
+        for item in filter(None, (s.strip() for s in spec.split(","))):
+            parts = item.split(":")
+            try:
+                if len(parts) not in (2, 3):
+                    raise ValueError
+                route: tuple = (int(parts[0]), int(parts[1]))
+                if len(parts) == 3:
+                    route += (float(parts[2]),)
+            except ValueError:
+                raise InvalidRouteError(
+                    f"--routes {item!r} is not a route; write START:END or START:END:RATE with "
+                    "integer block indices (half-open, negatives allowed), e.g. 2:9 or 2:-4:0.5."
+                ) from None
+            routes.append(route)
+    return routes
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    """Parse ``1,4,32,32`` (or ``1x4x32x32``) into a shape tuple."""
+    try:
+        shape = tuple(int(p) for p in text.replace("x", ",").split(",") if p.strip())
+    except ValueError:
+        shape = ()
+    if not shape or any(s <= 0 for s in shape):
+        raise ExampleInputError(
+            f"--input-shape {text!r} is not a shape; give positive integers such as 1,4,32,32."
+        )
+    return shape
+
+
+def _resolve(module: Any, path: str, spec: str) -> Any:
+    obj = module
+    for part in path.split("."):
+        if not hasattr(obj, part):
+            names = [n for n in dir(obj) if not n.startswith("_")]
+            close = difflib.get_close_matches(part, names, n=4)
+            hint = f" Did you mean {', '.join(close)}?" if close else ""
+            raise ModelSpecError(
+                f"model {spec!r} was asked for, but {getattr(obj, '__name__', obj)!s} has no "
+                f"attribute {part!r}.{hint} Give MODEL as package.module:factory."
+            )
+        obj = getattr(obj, part)
+    return obj
+
+
+def load_model(spec: str, kwargs: dict[str, Any] | None = None) -> nn.Module:
+    """Import ``package.module:factory`` and call it with ``kwargs``.
+
+    Raises:
+        ModelSpecError: when the spec is malformed, cannot be imported, or is not a factory
+            of ``nn.Module`` s.
+
+    Example:
+        >>> load_model("tread_fx.models:DiT_S_2", {"depth": 2, "input_size": 8}).__class__.__name__
+        'DiT'
+    """
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ModelSpecError(
+            f"MODEL {spec!r} is not of the form package.module:factory; e.g. "
+            "tread_fx.models:DiT_B_2 or my_pkg.nets:make_model."
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ModelSpecError(
+            f"MODEL {spec!r}: module {module_name!r} cannot be imported ({err}); check the "
+            "spelling and that its package is installed in this environment."
+        ) from None
+    factory = _resolve(module, attr, spec)
+    if isinstance(factory, nn.Module):
+        return factory
+    if not callable(factory):
+        raise ModelSpecError(
+            f"MODEL {spec!r} names a {type(factory).__name__}, not a factory; give a class or "
+            "function that returns an nn.Module."
+        )
+    try:
+        model = factory(**(kwargs or {}))
+    except TypeError as err:
+        raise ModelSpecError(
+            f"MODEL {spec!r} rejected the constructor arguments {kwargs or {}} ({err}); fix "
+            "--model-kwargs."
+        ) from None
+    if not isinstance(model, nn.Module):
+        raise ModelSpecError(
+            f"MODEL {spec!r} returned a {type(model).__name__}, not an nn.Module; point MODEL "
+            "at a factory of the model."
+        )
+    return model
+
+
+def _json_kwargs(text: str | None) -> dict[str, Any]:
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ModelSpecError(
+            f"--model-kwargs {text!r} is not valid JSON ({err.msg}); write an object such as "
+            '\'{"depth": 4, "input_size": 8}\'.'
+        ) from None
+    if not isinstance(value, dict):
+        raise ModelSpecError(f"--model-kwargs must be a JSON object, got {type(value).__name__}.")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``tread-fx``."""
+    parser = argparse.ArgumentParser(
+        prog="tread-fx", description="Inspect TREAD token routing of a diffusion backbone."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, text in (
+        ("explain", "full report: stacks, stream, routes, FLOPs, guards"),
+        ("diff", "structural diff of the original and routed graphs"),
+    ):
+        p = sub.add_parser(name, help=text, description=text)
+        p.add_argument("model", metavar="MODEL", help="package.module:factory")
+        p.add_argument(
+            "--routes",
+            action="append",
+            default=None,
+            metavar="START:END[:RATE]",
+            help="route(s), comma-separated or repeated (default 2:-4)",
+        )
+        p.add_argument("--rate", type=float, default=0.5, help="fraction routed around (0.5)")
+        p.add_argument("--selection", default="random", choices=("random", "rows"))
+        p.add_argument("--blocks", action="append", help="block container path(s)")
+        p.add_argument("--keep-prefix", type=int, default=None, help="leading tokens kept")
+        p.add_argument("--no-strict", action="store_true", help="guess side inputs")
+        p.add_argument("--input-shape", type=str, default=None, help="latent shape, 1,4,32,32")
+        p.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
+        p.add_argument(
+            "--model-kwargs",
+            "--kwargs",
+            dest="model_kwargs",
+            default=None,
+            metavar="JSON",
+            help="constructor kwargs of the factory, JSON",
+        )
+        p.add_argument("--seed", type=int, default=0, help="seed for weights and inputs")
+        p.add_argument("--format", choices=FORMATS, default="text")
+        p.add_argument("--out", default=None, metavar="PATH", help="write here, not stdout")
+        p.add_argument("--color", choices=("auto", "always", "never"), default="auto")
+        p.add_argument("--full", action="store_true", help="also draw Python-value nodes")
+        p.add_argument("--no-flops", action="store_true", help="skip ATen/FLOP counting")
+        p.add_argument("--debug", action="store_true", help="show tracebacks")
+    return parser
+
+
+def _use_color(choice: str, out: str | None) -> bool:
+    if choice != "auto":
+        return choice == "always"
+    if out or os.environ.get("NO_COLOR") or os.environ.get("TERM") == "dumb":
+        return False
+    return sys.stdout.isatty()
+
+
+def _render(exp: Any, args: argparse.Namespace) -> str:
+    from tread_fx import render
+
+    fmt = args.format
+    if fmt == "text":
+        color = _use_color(args.color, args.out)
+        return (exp.report(color=color) if args.command == "explain" else _diff_text(exp)) + "\n"
+    if fmt == "json":
+        data = exp.to_dict()
+        if args.command == "diff":
+            data = {"schema": "tread_fx.diff/1", "model": exp.model, **exp.diff.to_dict()}
+        return json.dumps(data, indent=2) + "\n"
+    if fmt == "dot":
+        return render.to_dot(exp, full=args.full)
+    if fmt == "svg":
+        return render.to_svg(exp, full=args.full)
+    return render.to_html(exp, full=args.full)
+
+
+def _diff_text(exp: Any) -> str:
+    routes = ", ".join(f"({r.start}, {r.end}, {r.rate})" for r in exp.routes)
+    return f"tread_fx diff: {exp.model}, routes [{routes}]\n{exp.diff}"
+
+
+def _run(args: argparse.Namespace) -> str:
+    import torch
+
+    from tread_fx.explain import explain
+    from tread_fx.inputs import example_inputs
+
+    torch.manual_seed(args.seed)
+    model = load_model(args.model, _json_kwargs(args.model_kwargs))
+    shape = parse_shape(args.input_shape) if args.input_shape else None
+    inputs = example_inputs(model, shape, batch=args.batch, seed=args.seed)
+    routes = parse_route_specs(args.routes or ["2:-4"])
+    try:
+        exp = explain(
+            model,
+            routes,
+            args.rate,
+            inputs,
+            selection=args.selection,
+            blocks=args.blocks,
+            keep_prefix=args.keep_prefix,
+            strict=not args.no_strict,
+            flops=args.command == "explain" and not args.no_flops,
+        )
+    except TreadFxError:
+        raise
+    except Exception as err:  # the model's own code failed on the example inputs
+        if args.debug:
+            raise
+        raise ExampleInputError(
+            f"{type(model).__name__} failed while being traced on inputs "
+            f"{[tuple(t.shape) for t in inputs[0]]}: {type(err).__name__}: {err}. Check "
+            "--input-shape / --model-kwargs, or rerun with --debug for the traceback."
+        ) from None
+    return _render(exp, args)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``tread-fx``; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        text = _run(args)
+    except TreadFxError as err:
+        if args.debug:
+            raise
+        print(f"tread-fx: error: {err}", file=sys.stderr)
+        return 1
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write(text)
+        print(f"tread-fx: wrote {args.out}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,496 @@
+"""``tread_fx.explain``: see exactly what routing does to a model, without touching it.
+
+It runs the same passes as ``route()`` (trace -> locate -> plan -> rewrite) on example inputs
+and reports: the block stack(s), the token stream, every value crossing a route's boundary and
+what happens to it (gathered, scattered back, passed through, refused), the nodes each route
+inserts and the token count entering every block, the structural diff of the two graphs, the
+ATen op and FLOP counts per block of both graphs (forward and forward + backward), the
+predicted speed-up, and the specialisations fixed at trace time.
+
+Example:
+    >>> import torch, tread_fx
+    >>> model = tread_fx.models.DiT_S_2(input_size=8, in_channels=1, num_classes=10, depth=4)
+    >>> report = tread_fx.explain(model, routes=[(1, 3)], rate=0.5)
+    >>> [(b.tokens_original, b.tokens_routed) for b in report.blocks]
+    [(16, 16), (16, 8), (16, 8), (16, 16)]
+    >>> report.flops.speedup > 1
+    True
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from tread_fx.errors import SideInputError
+from tread_fx.flops import Cost, GraphProfile, block_nodes, fake_shapes, profile_graph
+from tread_fx.graphdiff import GraphDiff, diff_graphs, module_path, shape_of, target_name
+from tread_fx.guards import (
+    Guard,
+    input_names,
+    recording_specialisations,
+    signature_guards,
+    specialisation_guards,
+)
+from tread_fx.inputs import example_inputs as make_example_inputs
+from tread_fx.passes.locate import (
+    BlockCall,
+    block_leaf_paths,
+    candidate_stacks,
+    input_slots,
+)
+from tread_fx.passes.plan import Crossing
+from tread_fx.passes.rewrite import Reinsert
+from tread_fx.passes.trace import trace_call
+from tread_fx.pipeline import Built, RoutingConfig, build
+from tread_fx.routes import parse_routes
+from tread_fx.selection import get_strategy
+
+__all__ = ["explain", "Explanation", "RouteReport", "BlockReport", "SideInput", "FlopReport"]
+
+SCHEMA_VERSION = "tread_fx.explain/1"
+
+
+@dataclass
+class SideInput:
+    """A value crossing a route's boundary and how the rewrite treats it."""
+
+    name: str
+    direction: str  # "in" or "out"
+    shape: Any
+    source: str
+    received_as: list[str]
+    treatment: str  # gathered | scattered back | passed through | refused | adapted (fn)
+    reason: str
+
+
+@dataclass
+class InsertedNode:
+    """A node the rewrite added for a route."""
+
+    name: str
+    role: str
+    target: str
+    shape: Any
+    inputs: list[str]
+
+
+@dataclass
+class RouteReport:
+    """One route: its blocks, token counts, inserted nodes and boundary values."""
+
+    index: int
+    start: int
+    end: int
+    rate: float
+    num_tokens: int
+    kept_tokens: int
+    prefix: int
+    units: int
+    keep_units: int
+    inserted: list[InsertedNode]
+    side_inputs: list[SideInput]
+    region: list[str] = field(default_factory=list)
+
+
+@dataclass
+class BlockReport:
+    """One block call: token counts and costs in both graphs."""
+
+    index: int
+    path: str
+    cls: str
+    route: int | None
+    tokens_original: int
+    tokens_routed: int
+    original: Cost | None = None
+    routed: Cost | None = None
+    node_original: str = ""
+    node_routed: str = ""
+
+
+@dataclass
+class FlopReport:
+    """Whole-graph costs, the part outside the blocks, and the predicted speed-up."""
+
+    original: Cost
+    routed: Cost
+    outside_original: Cost
+    outside_routed: Cost
+
+    @property
+    def speedup(self) -> float:
+        """Original / routed FLOPs of one training step (forward + backward)."""
+        return self.original.flops / max(self.routed.flops, 1)
+
+    @property
+    def forward_speedup(self) -> float:
+        """Original / routed forward FLOPs."""
+        return self.original.forward.flops / max(self.routed.forward.flops, 1)
+
+    def aten_delta(self) -> dict[str, int]:
+        """Forward ATen op counts routed minus original (inserted ops are positive)."""
+        a, b = self.original.forward.ops, self.routed.forward.ops
+        delta = {op: b.get(op, 0) - a.get(op, 0) for op in set(a) | set(b)}
+        return {op: d for op, d in sorted(delta.items()) if d}
+
+
+@dataclass
+class Explanation:
+    """The structured result of :func:`explain`; ``str()`` is the readable report."""
+
+    model: str
+    stacks: list[dict[str, Any]]
+    candidates: list[str]
+    stream: dict[str, Any]
+    routes: list[RouteReport]
+    blocks: list[BlockReport]
+    flops: FlopReport | None
+    guards: list[Guard]
+    auto_leaves: dict[str, str]
+    diff: GraphDiff
+    refusal: str | None = None
+    input_names: dict[str, str] = field(default_factory=dict)
+    original_graph: fx.GraphModule | None = field(default=None, repr=False)
+    routed_graph: fx.GraphModule | None = field(default=None, repr=False)
+    profiles: tuple[GraphProfile, GraphProfile] | None = field(default=None, repr=False)
+
+    def report(self, color: bool = False) -> str:
+        """The text report (ANSI-coloured when ``color``)."""
+        from tread_fx.report import format_report
+
+        return format_report(self, color=color)
+
+    def __str__(self) -> str:
+        return self.report(color=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (schema ``tread_fx.explain/1``, see ``tread_fx.report.SCHEMA``)."""
+        from tread_fx.report import to_dict
+
+        return to_dict(self)
+
+    def to_json(self, indent: int | None = 2) -> str:
+        """The :meth:`to_dict` result as JSON text."""
+        return json.dumps(self.to_dict(), indent=indent)
+
+
+# -- building blocks ------------------------------------------------------------------------
+
+
+def _build(model: nn.Module, args: tuple, kwargs: dict, config: RoutingConfig) -> tuple:
+    """Build strictly; on a strict refusal, build leniently and note what was refused."""
+    try:
+        return build(model, args, kwargs, config), None
+    except SideInputError as err:
+        if not config.strict:
+            raise
+        refusal = str(err)
+    lenient = RoutingConfig(**{**config.__dict__, "strict": False})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return build(model, args, kwargs, lenient), refusal
+
+
+def _slot_names(block_node: fx.Node, module: nn.Module | None, value: fx.Node) -> list[str]:
+    try:
+        params = list(inspect.signature(type(module).forward).parameters)[1:]
+    except (TypeError, ValueError):
+        params = []
+    names = []
+    for key, arg in input_slots(block_node).items():
+        inserted = arg.meta.get("tread_role") and value in arg.all_input_nodes
+        if arg is not value and not inserted:
+            continue
+        if key[0] == "kwarg":
+            names.append(str(key[1]))
+        else:
+            i = key[1]
+            names.append(params[i] if i < len(params) else f"arg{i}")
+    return names
+
+
+def _treatment(crossing: Crossing, direction: str) -> str:
+    if crossing.reason == "non-strict guess":
+        return "refused"
+    action = crossing.action
+    if callable(action):
+        return f"adapted ({getattr(action, '__name__', 'fn')})"
+    if direction == "out":
+        return "scattered back" if action == "scatter" else "passed through"
+    return "gathered" if action == "gather" else "passed through"
+
+
+def _side_inputs(built: Built, plan: Any, names: dict[str, str], shapes: dict) -> list[SideInput]:
+    gm = built.gm
+    blocks = {b.node: b for b in built.info.blocks}
+    out = []
+    for direction, crossings in (("in", plan.entering), ("out", plan.leaving)):
+        for c in crossings:
+            received = []
+            for user in c.users:
+                if user in blocks:
+                    module = gm.get_submodule(user.target) if user.op == "call_module" else None
+                    received += _slot_names(user, module, c.node)
+            node = c.node
+            source = names.get(node.name) or target_name(node)
+            where = module_path(node)
+            out.append(
+                SideInput(
+                    node.name,
+                    direction,
+                    shape_of(node, shapes),
+                    f"{source} (in {where})" if where and where != source else source,
+                    sorted(set(received)),
+                    _treatment(c, direction),
+                    c.reason,
+                )
+            )
+    return out
+
+
+def _inserted(gm: fx.GraphModule, index: int, shapes: dict) -> list[InsertedNode]:
+    return [
+        InsertedNode(
+            n.name,
+            n.meta["tread_role"],
+            target_name(n),
+            shape_of(n, shapes),
+            [a.name for a in n.all_input_nodes],
+        )
+        for n in gm.graph.nodes
+        if n.meta.get("tread_role") and n.meta.get("tread_route") == index
+    ]
+
+
+def _block_node(gm: fx.GraphModule, path: str) -> fx.Node:
+    return next(n for n, p in block_nodes(gm, [path]).items() if p == path)
+
+
+def _stream_tokens(gm: fx.GraphModule, block: BlockCall, shapes: dict, token_dim: int) -> int:
+    node = _block_node(gm, block.path)
+    slot = block.in_slot
+    if node.op == "call_function":  # checkpoint(module, *args)
+        slot = ("arg", slot[1] + 1, *slot[2:]) if slot[0] == "arg" else slot
+    value = input_slots(node).get(slot)
+    shape = shapes.get(value.name) if value is not None else None
+    return shape[token_dim] if isinstance(shape, tuple) and len(shape) > token_dim else -1
+
+
+def _blocks(model, built, original, shapes, profiles) -> list[BlockReport]:
+    info = built.info
+    route_of = {i: p.index for p in built.plans for i in range(p.route.start, p.route.end)}
+    reports = []
+    for i, block in enumerate(info.blocks):
+        report = BlockReport(
+            i,
+            block.path,
+            type(model.get_submodule(block.path)).__name__,
+            route_of.get(i),
+            _stream_tokens(original.gm, block, shapes[0], info.token_dim),
+            _stream_tokens(built.gm, block, shapes[1], info.token_dim),
+            node_original=_block_node(original.gm, block.path).name,
+            node_routed=_block_node(built.gm, block.path).name,
+        )
+        if profiles is not None:
+            report.original, report.routed = profiles[0].blocks[i], profiles[1].blocks[i]
+        reports.append(report)
+    return reports
+
+
+def _stacks(model: nn.Module, built: Built) -> tuple[list[dict], list[str]]:
+    stacks = []
+    for path in built.info.list_paths:
+        members = [b for b in built.info.blocks if b.list_path == path]
+        classes = sorted({type(model.get_submodule(b.path)).__name__ for b in members})
+        stacks.append({"path": path, "class": ", ".join(classes), "count": len(members)})
+    others = [p for p in candidate_stacks(model) if p not in built.info.list_paths]
+    return stacks, others
+
+
+def _stream(built: Built, selection: str) -> dict[str, Any]:
+    info = built.info
+    meta = info.stream_meta
+    grid = built.plans[0].layout.grid if built.plans else None
+    return {
+        "shape": list(meta.shape),
+        "dtype": str(meta.dtype).replace("torch.", ""),
+        "batch_dim": info.batch_dim,
+        "token_dim": info.token_dim,
+        "num_tokens": info.num_tokens,
+        "prefix": info.prefix,
+        "grid": list(grid) if grid else None,
+        "selection": selection,
+        "enters_at": info.blocks[0].path,
+    }
+
+
+def _split(example: Any) -> tuple[tuple, dict]:
+    if isinstance(example, tuple) and len(example) == 2 and isinstance(example[1], dict):
+        return tuple(example[0]), dict(example[1])
+    return (tuple(example) if isinstance(example, (tuple, list)) else (example,)), {}
+
+
+def explain(
+    model: nn.Module,
+    routes: Any,
+    rate: float = 0.5,
+    example_inputs: Any = None,
+    *,
+    selection: str = "random",
+    blocks: Any = None,
+    keep_prefix: int | None = None,
+    strict: bool = True,
+    grid: tuple[int, int] | None = None,
+    reinsert: Reinsert | None = None,
+    flops: bool = True,
+) -> Explanation:
+    """Explain what ``route(model, routes, rate, ...)`` would do; the model is not modified.
+
+    Args:
+        model: The model (routed or not; its class ``forward`` is what gets traced).
+        routes: Routes as for :func:`tread_fx.route`.
+        rate: Fraction of tokens routed around.
+        example_inputs: ``args`` or ``(args, kwargs)`` of a training call; default: made by
+            :func:`tread_fx.inputs.example_inputs` from the model's attributes.
+        selection: ``"random"`` or ``"rows"``.
+        blocks: Block container path(s), as for ``route()``.
+        keep_prefix: Leading tokens never routed (``None``: detect).
+        strict: As for ``route()``; a strict refusal is reported (lenient graph shown).
+        grid: Patch grid for ``selection="rows"``.
+        reinsert: How routed-around tokens re-enter.
+        flops: Count ATen ops and FLOPs (``make_fx`` on fake tensors); ``False`` is faster.
+
+    Returns:
+        An :class:`Explanation`; ``print()`` it for the report, ``.to_json()`` for tools.
+
+    Example:
+        >>> import tread_fx
+        >>> m = tread_fx.models.DiT_S_2(input_size=8, in_channels=1, num_classes=10, depth=4)
+        >>> print(tread_fx.explain(m, [(1, 3)], flops=False).routes[0].kept_tokens)
+        8
+    """
+    get_strategy(selection)
+    config = RoutingConfig(
+        parse_routes(routes, rate),
+        rate,
+        selection,
+        blocks,
+        keep_prefix,
+        grid,
+        strict,
+        reinsert or Reinsert(),
+    )
+    if example_inputs is None:
+        example_inputs = make_example_inputs(model)
+    args, kwargs = _split(example_inputs)
+    modes = [(m, m.training) for m in model.modules()]
+    model.train()
+    try:
+        built, refusal = _build(model, args, kwargs, config)
+        with recording_specialisations() as records:
+            original = trace_call(
+                model, args, kwargs, block_leaf_paths(model, built.info.list_paths)
+            )
+        guards = signature_guards(model, args, kwargs)
+        names = _placeholder_names(model, args, kwargs, original)
+        guards += specialisation_guards(list(records), names)
+        guards += [
+            Guard(
+                "route",
+                f"route {p.index} keeps",
+                f"{p.kept_tokens} of {p.layout.num_tokens} tokens",
+            )
+            for p in built.plans
+        ]
+        found = (built, original, refusal)
+        return _assemble(model, (args, kwargs), found, guards, names, selection, flops)
+    finally:
+        for module, mode in modes:
+            module.training = mode
+
+
+def _placeholder_names(model, args, kwargs, traced) -> dict[str, str]:
+    """Map the trace's placeholders (``t0``, ``t1``, ...) to the forward's argument names."""
+    from torch.utils import _pytree as pytree
+
+    names = input_names(model, args, kwargs)
+    if len(names) != len(pytree.tree_leaves((args, kwargs))):
+        return {}
+    placeholders = [n for n in traced.gm.graph.nodes if n.op == "placeholder"]
+    return {p.name: names[pos] for p, pos in zip(placeholders, traced.tensor_positions)}
+
+
+def _inputs(traced: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    from torch.utils import _pytree as pytree
+
+    flat = pytree.tree_leaves((args, kwargs))
+    return [flat[i] for i in traced.tensor_positions]
+
+
+def _assemble(model, call, found, guards, names, selection, flops) -> Explanation:
+    built, original, refusal = found
+    tensors = _inputs(original, *call)
+    noise = [torch.rand(p.layout.batch_size, p.units) for p in built.plans]
+    paths = [b.path for b in built.info.blocks]
+    profiles = None
+    if flops:
+        costs: dict = {}
+        profiles = (
+            profile_graph(original.gm, tensors, paths, costs),
+            profile_graph(built.gm, tensors + noise, paths, costs),
+        )
+        shapes = (profiles[0].shapes, profiles[1].shapes)
+    else:
+        shapes = (
+            fake_shapes(original.gm, tensors, paths),
+            fake_shapes(built.gm, tensors + noise, paths),
+        )
+    alive = set(built.gm.graph.nodes)
+    routes = [
+        RouteReport(
+            p.index,
+            p.route.start,
+            p.route.end,
+            p.route.rate,
+            p.layout.num_tokens,
+            p.kept_tokens,
+            p.layout.prefix,
+            p.units,
+            p.keep_units,
+            _inserted(built.gm, p.index, shapes[1]),
+            _side_inputs(built, p, names, shapes[1]),
+            sorted(n.name for n in p.region if n in alive),
+        )
+        for p in built.plans
+    ]
+    flop_report = None
+    if profiles is not None:
+        flop_report = FlopReport(
+            profiles[0].total, profiles[1].total, profiles[0].outside, profiles[1].outside
+        )
+    stacks, candidates = _stacks(model, built)
+    return Explanation(
+        model=type(model).__name__,
+        stacks=stacks,
+        candidates=candidates,
+        stream=_stream(built, selection),
+        routes=routes,
+        blocks=_blocks(model, built, original, shapes, profiles),
+        flops=flop_report,
+        guards=guards,
+        auto_leaves=dict(original.auto_leaves),
+        diff=diff_graphs(original.gm.graph, built.gm.graph, shapes[0], shapes[1]),
+        refusal=refusal,
+        original_graph=original.gm,
+        routed_graph=built.gm,
+        profiles=profiles,
+        input_names=names,
+    )

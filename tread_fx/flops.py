@@ -1,0 +1,419 @@
+"""ATen-level op and FLOP counts of a traced graph, per block and in total.
+
+Everything runs on fake tensors (no compute, no memory; the model is not modified):
+
+1. The graph is interpreted once. Block calls are not executed: a stub returns outputs of the
+   right shapes (found by running one block per distinct call signature) and passes zero
+   gradients back, so a ``TorchDispatchMode`` counts the ATen ops and FLOPs of everything
+   *outside* the blocks, forward and backward (``torch.autograd.grad``).
+2. Each distinct block call (module structure + argument shapes) is traced with ``make_fx``
+   through ``torch.func.functional_call``, forward only and forward + backward; its ATen
+   graph gives the block's op and FLOP counts (kept as :attr:`BlockCost.aten_forward`).
+
+The total is the outside part plus every block call, so a 28-block model costs two block
+traces (full and routed token count), not 28. FLOPs use the formulas of
+``torch.utils.flop_counter`` plus :data:`FLOP_FORMULAS` for the CPU attention kernel it lacks,
+so the totals equal ``FlopCounterMode(custom_mapping=FLOP_FORMULAS)`` on a real step.
+
+Example:
+    >>> import torch, tread_fx
+    >>> from tread_fx.flops import profile_graph
+    >>> from tread_fx.passes.trace import trace_call
+    >>> model = tread_fx.models.DiT_S_2(input_size=8, in_channels=1, num_classes=10, depth=2)
+    >>> args = (torch.randn(1, 1, 8, 8), torch.rand(1), torch.tensor([3]))
+    >>> traced = trace_call(model.train(), args, {}, {"blocks.0", "blocks.1"})
+    >>> prof = profile_graph(traced.gm, list(args), ["blocks.0", "blocks.1"])
+    >>> prof.blocks[0].forward.flops == prof.blocks[1].forward.flops > 0
+    True
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.func import functional_call
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
+from torch.utils.flop_counter import (
+    flop_registry,
+    sdpa_backward_flop_count,
+    sdpa_flop_count,
+    shape_wrapper,
+)
+
+from tread_fx.passes.trace import MODEL_PREFIX
+
+__all__ = [
+    "FLOP_FORMULAS",
+    "OpCounts",
+    "Cost",
+    "BlockCost",
+    "GraphProfile",
+    "profile_graph",
+    "fake_shapes",
+    "block_nodes",
+]
+
+aten = torch.ops.aten
+
+
+def _cpu_sdpa_flop(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+def _cpu_sdpa_backward_flop(
+    grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs
+) -> int:
+    return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+
+
+FLOP_FORMULAS: dict[Any, Callable[..., int]] = {
+    aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flop,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_sdpa_backward_flop,
+}
+"""FLOP formulas ``torch.utils.flop_counter`` lacks (the CPU flash-attention kernel).
+
+Pass them to ``FlopCounterMode(custom_mapping=FLOP_FORMULAS)`` to count like this module.
+"""
+
+_FORMULAS = {**flop_registry, **{k: shape_wrapper(v) for k, v in FLOP_FORMULAS.items()}}
+
+
+@dataclass
+class OpCounts:
+    """ATen ops (by name, e.g. ``aten.addmm.default``) and the FLOPs they do."""
+
+    ops: Counter = field(default_factory=Counter)
+    flops: int = 0
+
+    def __add__(self, other: OpCounts) -> OpCounts:
+        return OpCounts(self.ops + other.ops, self.flops + other.flops)
+
+    def __sub__(self, other: OpCounts) -> OpCounts:
+        return OpCounts(self.ops - other.ops, self.flops - other.flops)
+
+    @property
+    def num_ops(self) -> int:
+        """Total number of ATen op calls."""
+        return sum(self.ops.values())
+
+
+@dataclass
+class Cost:
+    """Forward and backward counts of one piece of a graph."""
+
+    forward: OpCounts
+    backward: OpCounts
+
+    @property
+    def flops(self) -> int:
+        """Forward + backward FLOPs (one training step)."""
+        return self.forward.flops + self.backward.flops
+
+    def __add__(self, other: Cost) -> Cost:
+        return Cost(self.forward + other.forward, self.backward + other.backward)
+
+    def __sub__(self, other: Cost) -> Cost:
+        return Cost(self.forward - other.forward, self.backward - other.backward)
+
+
+@dataclass
+class BlockCost(Cost):
+    """The cost of one block call, with its arguments' shapes and its forward ATen graph."""
+
+    path: str = ""
+    arg_shapes: tuple = ()
+    aten_forward: fx.GraphModule | None = field(default=None, repr=False)
+
+
+@dataclass
+class GraphProfile:
+    """Counts for a whole graph: total, per block call (in graph order), and the rest.
+
+    Attributes:
+        total: The whole graph.
+        blocks: One entry per block call, in the order of ``block_paths``.
+        outside: Everything but the blocks (embedding, head, routing ops).
+        shapes: Shape of every tensor value by node name (tuples of shapes for tuples).
+    """
+
+    total: Cost
+    blocks: list[BlockCost]
+    outside: Cost
+    shapes: dict[str, Any]
+
+
+def _add(counts: OpCounts, op: Any, args: Any, kwargs: dict, out: Any) -> None:
+    if not isinstance(op, torch._ops.OpOverload) or op.namespace == "prim":
+        return
+    counts.ops[str(op)] += 1
+    formula = _FORMULAS.get(op.overloadpacket)
+    if formula is not None:
+        counts.flops += int(formula(*args, **kwargs, out_val=out))
+
+
+def _count(graph: fx.Graph) -> OpCounts:
+    counts = OpCounts()
+    for node in graph.nodes:
+        if node.op == "call_function":
+            args, kwargs = pytree.tree_map_only(
+                fx.Node, lambda n: n.meta.get("val"), (node.args, node.kwargs)
+            )
+            _add(counts, node.target, args, kwargs, node.meta.get("val"))
+    return counts
+
+
+_PAUSED = [0]
+
+
+class _AtenCounter(TorchDispatchMode):
+    """Counts ATen ops and FLOPs, except while a block stub runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts = OpCounts()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not _PAUSED[0]:
+            _add(self.counts, func, args, kwargs, out)
+        return out
+
+
+class _Paused:
+    def __enter__(self) -> None:
+        _PAUSED[0] += 1
+
+    def __exit__(self, *exc: Any) -> None:
+        _PAUSED[0] -= 1
+
+
+def _trace_cost(fn: Callable, state: dict, tensors: list) -> tuple[Cost, fx.GraphModule]:
+    """Forward: ATen graph of ``fn(state, *tensors)`` (``make_fx``); backward: counted."""
+    forward = make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(state, *tensors)
+    with _Paused():
+        out = fn(state, *tensors)
+    backward = _AtenCounter()
+    with backward:
+        _grads(out, [*tensors, *state.values()])
+    return Cost(_count(forward.graph), backward.counts), forward
+
+
+def _grads(out: Any, wrt: list) -> Any:
+    """Gradients of ``out`` (all-ones output gradients) w.r.t. the tensors needing them."""
+    outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
+    wrt = [t for t in wrt if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not outs or not wrt:
+        return None
+    ones = [torch.ones_like(o) for o in outs]
+    return torch.autograd.grad(outs, wrt, ones, allow_unused=True)
+
+
+def _state(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {**dict(module.named_parameters()), **dict(module.named_buffers())}
+
+
+def _shape(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return tuple(value.shape)
+    if isinstance(value, (tuple, list)):
+        return tuple(_shape(v) for v in value)
+    return None
+
+
+@dataclass
+class _Signature:
+    """A block call reduced to what determines its cost and outputs."""
+
+    key: tuple
+    module: nn.Module
+    flat: list
+    spec: Any
+    positions: list[int]
+    outputs: Any = None  # (spec, leaves): TensorMeta-like tuples or constants
+
+
+def _leaf(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().requires_grad_(value.requires_grad and value.is_floating_point())
+    return value
+
+
+def _signature(gm: fx.GraphModule, node: fx.Node, path: str, args: tuple, kwargs: dict):
+    if node.op == "call_function":  # checkpoint(module, *args): count the module call
+        args = args[1:]
+        kwargs = {k: v for k, v in kwargs.items() if k != "use_reentrant"}
+    module = gm.get_submodule(MODEL_PREFIX + path)
+    flat, spec = pytree.tree_flatten((args, kwargs))
+    flat = [_leaf(v) for v in flat]
+    positions = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
+    described = tuple(
+        (tuple(v.shape), v.dtype, v.requires_grad) if isinstance(v, torch.Tensor) else repr(v)
+        for v in flat
+    )
+    key = (type(module), repr(module), described, str(spec))
+    return _Signature(key, module, flat, spec, positions)
+
+
+def _call(sig: _Signature) -> Callable:
+    def call_block(state: dict, *tensors: Any) -> Any:
+        leaves = list(sig.flat)
+        for pos, tensor in zip(sig.positions, tensors):
+            leaves[pos] = tensor
+        a, kw = pytree.tree_unflatten(leaves, sig.spec)
+        return functional_call(sig.module, state, a, kw)
+
+    return call_block
+
+
+def _output_meta(sig: _Signature) -> tuple:
+    with _Paused(), torch.no_grad():
+        out = _call(sig)(_state(sig.module), *[sig.flat[i] for i in sig.positions])
+    leaves, spec = pytree.tree_flatten(out)
+    metas = [
+        (tuple(v.shape), v.dtype, v.device) if isinstance(v, torch.Tensor) else v for v in leaves
+    ]
+    return spec, metas
+
+
+class _Stub(torch.autograd.Function):
+    """Stands in for a block call: outputs of the right shapes, zero input gradients."""
+
+    @staticmethod
+    def forward(ctx, metas: list, *inputs: torch.Tensor) -> tuple:
+        with _Paused():
+            ctx.inputs = [(i.shape, i.dtype, i.device) for i in inputs]
+            outs = [torch.empty(s, dtype=d, device=dev) for s, d, dev in metas]
+            ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
+            return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor) -> tuple:
+        with _Paused():
+            return (None, *[torch.zeros(s, dtype=d, device=dev) for s, d, dev in ctx.inputs])
+
+
+def _stubbed_call(sig: _Signature, args: tuple, kwargs: dict) -> Any:
+    spec, metas = sig.outputs
+    tensor_metas = [m for m in metas if isinstance(m, tuple) and len(m) == 3]
+    leaves = pytree.tree_leaves((args, kwargs))
+    inputs = [v for v in leaves if isinstance(v, torch.Tensor) and v.requires_grad]
+    outs = iter(_Stub.apply(tensor_metas, *inputs) if tensor_metas else ())
+    leaves = [next(outs) if isinstance(m, tuple) and len(m) == 3 else m for m in metas]
+    return pytree.tree_unflatten(leaves, spec)
+
+
+class _Capture(fx.Interpreter):
+    """Runs a graph on fake tensors with block calls stubbed; records shapes and calls."""
+
+    def __init__(self, gm: fx.GraphModule, block_nodes: dict[fx.Node, str], cache: dict) -> None:
+        super().__init__(gm)
+        self.block_nodes = block_nodes
+        self.cache = cache
+        self.shapes: dict[str, Any] = {}
+        self.calls: dict[fx.Node, _Signature] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        if n in self.block_nodes:
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            sig = _signature(self.module, n, self.block_nodes[n], args, kwargs)
+            if sig.key not in self.cache:
+                sig.outputs = _output_meta(sig)
+                self.cache[sig.key] = sig
+            sig.outputs = self.cache[sig.key].outputs
+            self.calls[n] = sig
+            value = _stubbed_call(sig, args, kwargs)
+        else:
+            value = super().run_node(n)
+        self.shapes[n.name] = _shape(value)
+        return value
+
+
+def block_nodes(gm: fx.GraphModule, paths: Sequence[str]) -> dict[fx.Node, str]:
+    """Block calls by module path: plain calls and calls through activation checkpointing."""
+    wanted, found = set(paths), {}
+    for node in gm.graph.nodes:
+        target = None
+        if node.op == "call_module":
+            target = node.target
+        elif node.op == "call_function" and node.target is checkpoint and node.args:
+            first = node.args[0]
+            target = first.target if isinstance(first, fx.Node) and first.op == "get_attr" else None
+        if isinstance(target, str) and target.startswith(MODEL_PREFIX):
+            path = target[len(MODEL_PREFIX) :]
+            if path in wanted:
+                found[node] = path
+    return found
+
+
+def fake_shapes(
+    gm: fx.GraphModule, inputs: Sequence[torch.Tensor], block_paths: Sequence[str] = ()
+) -> dict[str, Any]:
+    """Shape of every tensor value of ``gm(*inputs)``, by node name, from a fake-tensor run.
+
+    Example:
+        >>> import torch
+        >>> gm = torch.fx.symbolic_trace(torch.nn.Linear(4, 3))
+        >>> fake_shapes(gm, [torch.randn(2, 4)])["linear"]
+        (2, 3)
+    """
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        capture = _Capture(gm, block_nodes(gm, block_paths), {})
+        capture.run(*[mode.from_tensor(t) for t in inputs])
+    return capture.shapes
+
+
+def profile_graph(
+    gm: fx.GraphModule,
+    inputs: Sequence[torch.Tensor],
+    block_paths: Sequence[str],
+    block_costs: dict | None = None,
+) -> GraphProfile:
+    """Count ATen ops and FLOPs of ``gm(*inputs)``, per block call and in total.
+
+    Args:
+        gm: A traced (original or routed) GraphModule; module targets start with ``model.``.
+        inputs: Its inputs (real or fake tensors; only shapes, dtypes and devices matter).
+        block_paths: Module paths of the blocks (relative to the model).
+        block_costs: A dict to share block costs between calls (same model, two graphs).
+
+    Returns:
+        The :class:`GraphProfile`; ``total`` counts one training step (forward + backward
+        with all-ones output gradients, gradients for every parameter).
+    """
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = [mode.from_tensor(t) for t in inputs]
+        cache: dict[tuple, _Signature] = {}
+        capture = _Capture(gm, block_nodes(gm, block_paths), cache)
+        forward, backward = _AtenCounter(), _AtenCounter()
+        with forward:
+            outputs = capture.run(*fake)
+        with backward:
+            _grads(outputs, list(gm.parameters()))
+        costs = {} if block_costs is None else block_costs
+        for key, sig in cache.items():
+            if key not in costs:
+                tensors = [sig.flat[i] for i in sig.positions]
+                costs[key] = _trace_cost(_call(sig), _state(sig.module), tensors)
+    blocks = []
+    for node, sig in capture.calls.items():
+        cost, graph = costs[sig.key]
+        shapes = tuple(_shape(v) for v in sig.flat)
+        blocks.append(
+            BlockCost(cost.forward, cost.backward, capture.block_nodes[node], shapes, graph)
+        )
+    outside = Cost(forward.counts, backward.counts)
+    total = outside
+    for block in blocks:
+        total = total + block
+    return GraphProfile(total, blocks, outside, capture.shapes)

@@ -1,0 +1,303 @@
+"""Structural diff of the original and the routed graph, with networkx.
+
+Both fx graphs become ``networkx.DiGraph`` s whose nodes carry the op, the target, the module
+path and the tensor shape. Nodes are matched by ``(op, target, module path)`` and their
+order among nodes with the same key (the rewrite only inserts nodes, it never reorders).
+Every node then gets a status:
+
+- ``added``: only in the routed graph (the route's noise input, select, gathers, scatters);
+- ``removed``: only in the original graph;
+- ``rewired``: matched, but its inputs changed (e.g. block ``start`` now reads a gather);
+- ``resized``: matched, same inputs, but its tensor shape changed (blocks inside a route);
+- ``unchanged``: everything else.
+
+Example:
+    >>> import torch, tread_fx
+    >>> model = tread_fx.models.DiT_S_2(input_size=8, in_channels=1, num_classes=10, depth=4)
+    >>> x = (torch.randn(1, 1, 8, 8), torch.rand(1), torch.tensor([3]))
+    >>> report = tread_fx.explain(model, [(1, 3)], 0.5, x, flops=False)
+    >>> sorted({report.diff.status[n] for n in report.diff.added})
+    ['added']
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import networkx as nx
+import torch.fx as fx
+
+from tread_fx.passes.trace import MODEL_PREFIX, TensorMeta
+
+__all__ = ["GraphDiff", "Rewire", "diff_graphs", "to_networkx", "node_key", "shape_of"]
+
+STATUSES = ("added", "removed", "rewired", "resized", "unchanged")
+
+
+@dataclass
+class Rewire:
+    """A matched node whose inputs changed (names in the routed graph)."""
+
+    name: str
+    before: list[str]
+    after: list[str]
+
+
+@dataclass
+class GraphDiff:
+    """The result of :func:`diff_graphs`.
+
+    Attributes:
+        original: networkx graph of the original fx graph (node = fx node name).
+        routed: networkx graph of the routed fx graph.
+        matches: Original node name -> routed node name.
+        status: Routed node name -> status, plus ``removed`` original names.
+        added: Routed nodes that the rewrite inserted (or that have no match).
+        removed: Original nodes with no routed counterpart.
+        rewired: Matched nodes whose inputs changed.
+        resized: Matched nodes with the same inputs whose tensor shape changed.
+        unchanged: Names of the remaining routed nodes.
+    """
+
+    original: nx.DiGraph
+    routed: nx.DiGraph
+    matches: dict[str, str]
+    status: dict[str, str] = field(default_factory=dict)
+    added: list[str] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+    rewired: list[Rewire] = field(default_factory=list)
+    resized: list[str] = field(default_factory=list)
+    unchanged: list[str] = field(default_factory=list)
+
+    def counts(self) -> dict[str, int]:
+        """Number of nodes per status."""
+        return {
+            "added": len(self.added),
+            "removed": len(self.removed),
+            "rewired": len(self.rewired),
+            "resized": len(self.resized),
+            "unchanged": len(self.unchanged),
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (node names, inputs and shapes)."""
+        g = self.routed
+        return {
+            "counts": self.counts(),
+            "added": [
+                {
+                    "name": n,
+                    "role": g.nodes[n]["role"],
+                    "target": g.nodes[n]["target"],
+                    "shape": _json_shape(g.nodes[n]["shape"]),
+                    "inputs": list(g.nodes[n]["inputs"]),
+                }
+                for n in self.added
+            ],
+            "removed": list(self.removed),
+            "rewired": [
+                {"name": r.name, "before": r.before, "after": r.after} for r in self.rewired
+            ],
+            "resized": [
+                {
+                    "name": n,
+                    "before": _json_shape(self.original.nodes[o]["shape"]),
+                    "after": _json_shape(g.nodes[n]["shape"]),
+                }
+                for o, n in self.matches.items()
+                if n in self.resized
+            ],
+            "unchanged": len(self.unchanged),
+        }
+
+    def __str__(self) -> str:
+        lines = ["  ".join(f"{k} {v}" for k, v in self.counts().items())]
+        g = self.routed
+        for name in self.added:
+            attrs = g.nodes[name]
+            role = attrs["role"] or "new"
+            lines.append(
+                f"+ {name:<24} {role:<8} {attrs['target']}  <- {', '.join(attrs['inputs'])}"
+            )
+        for name in self.removed:
+            lines.append(f"- {name:<24} {self.original.nodes[name]['target']}")
+        for r in self.rewired:
+            lines.append(f"~ {r.name:<24} inputs {', '.join(r.before)} -> {', '.join(r.after)}")
+        back = {v: k for k, v in self.matches.items()}
+        for name in self.resized:
+            before = self.original.nodes[back[name]]["shape"]
+            after = g.nodes[name]["shape"]
+            lines.append(f"= {name:<24} {_fmt(before)} -> {_fmt(after)}")
+        return "\n".join(lines)
+
+
+def _json_shape(shape: Any) -> Any:
+    return list(shape) if isinstance(shape, tuple) else shape
+
+
+def _fmt(shape: Any) -> str:
+    if isinstance(shape, tuple) and all(isinstance(s, int) for s in shape):
+        return "[" + ", ".join(map(str, shape)) + "]"
+    if isinstance(shape, tuple):
+        return "(" + ", ".join(_fmt(s) for s in shape) + ")"
+    return "-"
+
+
+def _strip(target: str) -> str:
+    return target[len(MODEL_PREFIX) :] if target.startswith(MODEL_PREFIX) else target
+
+
+def target_name(node: fx.Node) -> str:
+    """Readable target: module path, ``module.function`` or ``.method``."""
+    if node.op in ("call_module", "get_attr"):
+        return _strip(node.target)
+    if node.op == "call_method":
+        return f".{node.target}"
+    if node.op == "call_function":
+        fn = node.target
+        module = getattr(fn, "__module__", None) or ""
+        if fn in vars(operator).values():
+            module = "operator"
+        name = getattr(fn, "__qualname__", getattr(fn, "__name__", repr(fn)))
+        return f"{module}.{name}" if module and module != "builtins" else name
+    return str(node.target)
+
+
+def module_path(node: fx.Node) -> str:
+    """The module a node belongs to (its own path for module calls, ``""`` at top level)."""
+    if node.op == "call_module":
+        return _strip(node.target)
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    last = list(stack)[-1] if isinstance(stack, dict) else stack[-1]
+    return _strip(last if isinstance(last, str) else str(last))
+
+
+def node_key(node: fx.Node) -> tuple[str, str, str]:
+    """The matching key of a node: ``(op, target, module path)``."""
+    return node.op, target_name(node), module_path(node)
+
+
+def shape_of(node: fx.Node, shapes: dict[str, Any] | None = None) -> Any:
+    """Tensor shape of a node (a tuple, a tuple of shapes, or ``None`` for Python values)."""
+    if shapes is not None and node.name in shapes:
+        return shapes[node.name]
+    meta = node.meta.get("tread_meta")
+    if isinstance(meta, TensorMeta):
+        return meta.shape
+    if isinstance(meta, (tuple, list)) and any(isinstance(m, TensorMeta) for m in meta):
+        return tuple(m.shape if isinstance(m, TensorMeta) else None for m in meta)
+    return None
+
+
+def to_networkx(graph: fx.Graph, shapes: dict[str, Any] | None = None) -> nx.DiGraph:
+    """Data-flow graph; node attributes ``op, cls, target, module, key, role, route, shape``.
+
+    Edges go from each input to its user and carry the input's ``shape``.
+    """
+    g = nx.DiGraph()
+    owner = graph.owning_module
+    for index, node in enumerate(graph.nodes):
+        cls = ""
+        if node.op == "call_module" and owner is not None:
+            cls = type(owner.get_submodule(node.target)).__name__
+        g.add_node(
+            node.name,
+            index=index,
+            op=node.op,
+            cls=cls,
+            target=target_name(node),
+            module=module_path(node),
+            key=node_key(node),
+            role=node.meta.get("tread_role"),
+            route=node.meta.get("tread_route"),
+            shape=shape_of(node, shapes),
+            python=_python_value(node),
+            inputs=tuple(a.name for a in node.all_input_nodes),
+        )
+        for arg in node.all_input_nodes:
+            g.add_edge(arg.name, node.name, shape=shape_of(arg, shapes))
+    return g
+
+
+def _python_value(node: fx.Node) -> bool:
+    """True for nodes holding Python values (shapes, flags) rather than tensors."""
+    if node.op in ("placeholder", "output") or node.meta.get("tread_role"):
+        return False
+    meta = node.meta.get("tread_meta")
+    if isinstance(meta, TensorMeta):
+        return False
+    if isinstance(meta, (tuple, list)) and any(isinstance(m, TensorMeta) for m in meta):
+        return False
+    return node.op != "call_module" and not (node.op == "get_attr" and meta is None)
+
+
+def _match(original: nx.DiGraph, routed: nx.DiGraph) -> dict[str, str]:
+    by_key: dict[tuple, list[str]] = defaultdict(list)
+    for name, attrs in sorted(routed.nodes(data=True), key=lambda item: item[1]["index"]):
+        if not attrs["role"]:
+            by_key[attrs["key"]].append(name)
+    seen: dict[tuple, int] = defaultdict(int)
+    matches = {}
+    for name, attrs in sorted(original.nodes(data=True), key=lambda item: item[1]["index"]):
+        key = attrs["key"]
+        candidates = by_key.get(key, [])
+        if seen[key] < len(candidates):
+            matches[name] = candidates[seen[key]]
+        seen[key] += 1
+    return matches
+
+
+def diff_graphs(
+    original: fx.Graph,
+    routed: fx.Graph,
+    original_shapes: dict[str, Any] | None = None,
+    routed_shapes: dict[str, Any] | None = None,
+) -> GraphDiff:
+    """Diff two fx graphs structurally (see the module docstring).
+
+    Args:
+        original: The traced graph before the rewrite.
+        routed: The rewritten graph.
+        original_shapes: Shapes by node name (e.g. from a fake run); default: trace metadata.
+        routed_shapes: Same for the routed graph (its metadata inside routes is pre-rewrite).
+
+    Returns:
+        The :class:`GraphDiff`.
+    """
+    g_orig, g_routed = to_networkx(original, original_shapes), to_networkx(routed, routed_shapes)
+    matches = _match(g_orig, g_routed)
+    diff = GraphDiff(g_orig, g_routed, matches)
+    matched = set(matches.values())
+    for name in sorted(g_routed, key=lambda n: g_routed.nodes[n]["index"]):
+        if name not in matched:
+            diff.added.append(name)
+            diff.status[name] = "added"
+    for name in sorted(g_orig, key=lambda n: g_orig.nodes[n]["index"]):
+        if name not in matches:
+            diff.removed.append(name)
+            diff.status[name] = "removed"
+            continue
+        new = matches[name]
+        before = [matches.get(a, a) for a in g_orig.nodes[name]["inputs"]]
+        after = list(g_routed.nodes[new]["inputs"])
+        if before != after:
+            diff.rewired.append(Rewire(new, before, after))
+            diff.status[new] = "rewired"
+        elif g_orig.nodes[name]["shape"] != g_routed.nodes[new]["shape"]:
+            diff.resized.append(new)
+            diff.status[new] = "resized"
+        else:
+            diff.unchanged.append(new)
+            diff.status[new] = "unchanged"
+    for g, names in ((g_routed, g_routed.nodes), (g_orig, diff.removed)):
+        for name in names:
+            g.nodes[name]["status"] = diff.status.get(name, "unchanged")
+    for name in g_orig:
+        if name in matches:
+            g_orig.nodes[name]["status"] = diff.status[matches[name]]
+    return diff
