@@ -168,6 +168,25 @@ def train_feature_net(
         except Exception as err:  # a corrupt cache entry is rebuilt, not trusted
             say(f"feature net: ignoring unreadable cache file {path} ({err}); retraining")
 
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a net this small gains nothing from threads, and loses much
+    try:  # when the machine is busy
+        net, accuracy = _train(images, labels, num_classes, seed, steps, batch_size)
+    finally:
+        torch.set_num_threads(threads)
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    state = {k: v.contiguous() for k, v in net.state_dict().items()}
+    save_file(state, str(tmp), metadata={"accuracy": str(accuracy), "config": json.dumps(config)})
+    tmp.replace(path)
+    say(f"feature net: trained on {name}, held-out accuracy {accuracy:.3f}, cached at {path}")
+    return net, accuracy
+
+
+def _train(
+    images: torch.Tensor, labels: torch.Tensor, num_classes: int, seed: int, steps: int, batch: int
+) -> tuple[FeatureNet, float]:
+    """Deterministic training of a :class:`FeatureNet`; returns it and its held-out accuracy."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         net = FeatureNet(images.shape[1], num_classes)
@@ -179,22 +198,16 @@ def train_feature_net(
         sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=2e-3, total_steps=steps)
         net.train()
         for _ in range(steps):
-            idx = train_idx[torch.randint(len(train_idx), (batch_size,), generator=gen)]
+            idx = train_idx[torch.randint(len(train_idx), (batch,), generator=gen)]
             loss = F.cross_entropy(net(images[idx]), labels[idx])
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
             sched.step()
-    net.eval()
+        net.eval()
     with torch.no_grad():
         preds = torch.cat([net(images[idx]).argmax(1) for idx in _chunks(test_idx)])
     accuracy = float((preds == labels[test_idx]).float().mean())
-    cache.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    state = {k: v.contiguous() for k, v in net.state_dict().items()}
-    save_file(state, str(tmp), metadata={"accuracy": str(accuracy), "config": json.dumps(config)})
-    tmp.replace(path)
-    say(f"feature net: trained on {name}, held-out accuracy {accuracy:.3f}, cached at {path}")
     return net, accuracy
 
 
