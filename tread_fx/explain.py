@@ -438,7 +438,7 @@ def _inputs(traced: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
 def _assemble(model, call, found, guards, names, selection, flops) -> Explanation:
     built, original, refusal = found
     tensors = _inputs(original, *call)
-    noise = [torch.rand(p.layout.batch_size, p.units) for p in built.plans]
+    noise = [torch.zeros(p.layout.batch_size, p.units) for p in built.plans]  # shapes only
     paths = [b.path for b in built.info.blocks]
     profiles = None
     if flops:
