@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 import operator
 import warnings
 from dataclasses import dataclass, field
@@ -193,13 +194,29 @@ def _fed_only_by(node: fx.Node, feeders: tuple[set, set], info: StreamInfo) -> b
     return bool(reached) and reached <= tokens
 
 
+def _argument_name(block: Any, key: tuple) -> str:
+    """The parameter name of ``block.forward`` that a slot fills (``"arg{i}"`` if unknown).
+
+    Blocks called positionally (diffusers' gradient checkpointing passes everything by
+    position) are described by the same names as when called by keyword.
+    """
+    if key[0] == "kwarg":
+        return key[1]
+    try:
+        params = list(inspect.signature(block.forward).parameters.values())
+    except (TypeError, ValueError):
+        return f"arg{key[1]}"
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return positional[key[1]].name if key[1] < len(positional) else f"arg{key[1]}"
+
+
 def _side_value(g, node, users, region, info, layout, block_nodes) -> SideValue:
     names, classes = set(), set()
     for user in users:
         if user in block_nodes:
             for key, arg in input_slots(user).items():
                 if arg is node:
-                    names.add(key[1] if key[0] == "kwarg" else f"arg{key[1]}")
+                    names.add(_argument_name(block_nodes[user], key))
             classes.add(type(block_nodes[user]))
     combined = any(
         u.op in ("call_function", "call_method")

@@ -522,15 +522,37 @@ def _name_placeholders(graph: fx.Graph, call: tuple, positions: tuple[int, ...])
         node.meta["tread_input_name"] = names[0] if is_kwarg else f"arg{names[0]}"
 
 
+@contextlib.contextmanager
+def _report_grad_mode(tracer: ValueTracer, enabled: bool) -> Iterator[None]:
+    """Let traced code see the caller's grad mode although the trace runs without grad.
+
+    diffusers calls its blocks through gradient checkpointing only under
+    ``torch.is_grad_enabled() and self.gradient_checkpointing``; the trace must take that
+    branch when the training call would. Eager code (leaves, torch internals) sees the truth.
+    """
+    original = torch.is_grad_enabled
+
+    def reported() -> bool:
+        return original() if tracer.running_eager else enabled
+
+    torch.is_grad_enabled = reported
+    try:
+        yield
+    finally:
+        torch.is_grad_enabled = original
+
+
 def _trace_restoring_state(
     tracer: ValueTracer, wrapper: FlatCall, model: nn.Module, tensors: list[torch.Tensor]
 ) -> fx.Graph:
     devices = sorted({t.device.index for t in tensors if t.device.type == "cuda"})
     buffers = _snapshot_buffers(model)
+    grad_mode = torch.is_grad_enabled()
     try:
         with (
             torch.random.fork_rng(devices=devices),
             torch.no_grad(),
+            _report_grad_mode(tracer, grad_mode),
             _refuse_python_random(tracer),
             _checkpoint_as_plain_call(tracer, model),
         ):

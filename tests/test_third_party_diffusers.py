@@ -233,3 +233,16 @@ def test_share_selection_true_shares_it_on_any_model():
 @pytest.mark.parametrize("name", ["dit", "pixart", "sd3-controlnet", "flux"])
 def test_compiled_routed_graph(name):
     check_compiled(CASES[name])
+
+
+@pytest.mark.parametrize("name", ["sd3", "flux"])
+def test_diffusers_gradient_checkpointing_is_kept_in_the_routed_graph(name):
+    # diffusers checkpoints only when torch.is_grad_enabled(): the trace must see grad mode
+    case = CASES[name]
+    reference = train_forward(case.model(), case)
+    model = case.model()
+    model.enable_gradient_checkpointing()
+    case.route(model, rate=0.0)
+    assert torch.equal(train_forward(model, case), reference)
+    gm = tread_fx.routed_graphs(model)[0].gm
+    assert sum(bool(n.meta.get("tread_checkpoint")) for n in gm.graph.nodes) == 4

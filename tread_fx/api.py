@@ -193,7 +193,7 @@ def _signature(model: nn.Module, spec: pytree.TreeSpec, flat: list) -> tuple:
     autocast = tuple(
         (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
     )
-    return spec, leaves, modes, autocast
+    return spec, leaves, modes, autocast, torch.is_grad_enabled()
 
 
 def _routed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
