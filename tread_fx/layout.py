@@ -2,8 +2,9 @@
 
 Nodes go on layers by longest path from the inputs (inputs and constants are pulled down next
 to their first user); within a layer they are ordered by a few barycenter sweeps and placed as
-close to the mean position of their inputs as overlaps allow. Good enough for model graphs,
-which are a long chain (the token stream) with short side branches.
+close to their first input (the ``inputs`` node attribute, else the mean of all inputs) as
+overlaps allow, so the token stream runs straight down. Good enough for model graphs, which
+are a long chain (the token stream) with short side branches.
 
 Example:
     >>> import networkx as nx
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import networkx as nx
 
-__all__ = ["layered_layout", "NODE_W", "NODE_H", "GAP_X", "GAP_Y"]
+__all__ = ["layered_layout", "spine_of", "NODE_W", "NODE_H", "GAP_X", "GAP_Y"]
 
 NODE_W, NODE_H, GAP_X, GAP_Y = 190, 40, 40, 34
 
@@ -66,8 +67,19 @@ def _keep_groups_apart(rows: list[list[str]], x: dict, layer: dict, groups: list
                 placed = x[n]
 
 
+def spine_of(g: nx.DiGraph, source: str, target: str) -> list[str]:
+    """The longest path from ``source`` to ``target`` (the main data flow), or ``[]``."""
+    if source not in g or target not in g or not nx.has_path(g, source, target):
+        return []
+    between = (nx.descendants(g, source) | {source}) & (nx.ancestors(g, target) | {target})
+    return nx.dag_longest_path(g.subgraph(between))
+
+
 def layered_layout(
-    g: nx.DiGraph, order_key: dict[str, int] | None = None, groups: list[set] | None = None
+    g: nx.DiGraph,
+    order_key: dict[str, int] | None = None,
+    groups: list[set] | None = None,
+    spine: list[str] | None = None,
 ) -> dict[str, tuple]:
     """Positions ``{node: (x, y)}`` (top-left corners, pixels) for a DAG.
 
@@ -76,6 +88,7 @@ def layered_layout(
         order_key: Initial order within layers (e.g. the fx node index); default: name.
         groups: Node sets drawn as boxes, innermost first (nested or disjoint); their members
             go left in each layer and other nodes are kept out of their boxes.
+        spine: Nodes drawn as one straight column on the left (see :func:`spine_of`).
 
     Returns:
         Top-left corner of each node's ``NODE_W x NODE_H`` box.
@@ -90,7 +103,9 @@ def layered_layout(
     for n in sorted(g, key=lambda n: (key.get(n, 0), n)):
         rows[layer[n]].append(n)
     _order(g, rows)
+    on_spine = set(spine or ())
     rank = {n: next((i for i, grp in enumerate(groups) if n in grp), len(groups)) for n in g}
+    rank.update({n: -1 for n in on_spine})
     for row in rows:
         row.sort(key=lambda n: rank[n])
     step = NODE_W + GAP_X
@@ -98,9 +113,10 @@ def layered_layout(
     for row in rows:
         placed = -step
         for n in row:
-            preds = [x[p] for p in g.predecessors(n) if p in x]
+            first = [p for p in g.nodes[n].get("inputs", ()) if p in x]
+            preds = [x[first[0]]] if first else [x[p] for p in g.predecessors(n) if p in x]
             want = sum(preds) / len(preds) if preds else placed + step
-            x[n] = max(want, placed + step)
+            x[n] = 0.0 if n in on_spine else max(want, placed + step, step if on_spine else 0)
             placed = x[n]
     _keep_groups_apart(rows, x, layer, groups)
     shift = min(x.values())

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import networkx as nx
 
 from tread_fx.errors import GraphvizNotFoundError
-from tread_fx.layout import NODE_H, NODE_W, layered_layout
+from tread_fx.layout import NODE_H, NODE_W, layered_layout, spine_of
 from tread_fx.report import fmt_flops, fmt_shape
 
 if TYPE_CHECKING:
@@ -107,7 +107,8 @@ def _view(exp: Explanation, which: str, full: bool) -> GraphView:
     stack_id = f"{which}_stack"
     members = {n for n, i in index.items() if ranks and min(ranks) <= i <= max(ranks)}
     for r in exp.routes:
-        names = {as_here(n) for n in r.region} | {n.name for n in r.inserted}
+        boundary = {n.name for n in r.inserted if n.role in ("gather", "scatter")}
+        names = {as_here(n) for n in r.region} | boundary
         names = {n for n in names if n in g}
         if which == "routed":
             label = (
@@ -235,7 +236,10 @@ def _svg_side(view: GraphView) -> str:
     inner_first = [grp.members for grp in view.groups if grp.parent] + [
         grp.members for grp in view.groups if not grp.parent
     ]
-    pos = layered_layout(g, nx.get_node_attributes(g, "index"), inner_first)
+    by_index = sorted(g, key=lambda n: g.nodes[n]["index"])
+    sources = [n for n in by_index if g.nodes[n]["op"] == "placeholder"]
+    spine = spine_of(g, sources[0], by_index[-1]) if sources else []
+    pos = layered_layout(g, nx.get_node_attributes(g, "index"), inner_first, spine)
     pad, depth = 40, {grp.id: 0 for grp in view.groups}
     for grp in view.groups:
         depth[grp.id] = depth.get(grp.parent, -1) + 1 if grp.parent else 0
