@@ -12,8 +12,9 @@ Everything runs on fake tensors (no compute, no memory; the model is not modifie
 
 The total is the outside part plus every block call, so a 28-block model costs two block
 traces (full and routed token count), not 28. FLOPs use the formulas of
-``torch.utils.flop_counter`` plus :data:`FLOP_FORMULAS` for the CPU attention kernel it lacks,
-so the totals equal ``FlopCounterMode(custom_mapping=FLOP_FORMULAS)`` on a real step.
+``torch.utils.flop_counter`` with :data:`FLOP_FORMULAS` (the CPU attention kernel it lacks, a
+groups-aware convolution backward), so the totals equal
+``FlopCounterMode(custom_mapping=FLOP_FORMULAS)`` on a real step.
 
 Example:
     >>> import torch, tread_fx
@@ -44,6 +45,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import (
+    conv_flop_count,
     flop_registry,
     sdpa_backward_flop_count,
     sdpa_flop_count,
@@ -76,13 +78,28 @@ def _cpu_sdpa_backward_flop(
     return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
 
 
+def _conv_backward_flop(grad_out_shape, x_shape, w_shape, _bias, _stride, _padding, _dilation,
+                        transposed, _output_padding, _groups, output_mask, out_shape=None,
+                        **kwargs) -> int:  # fmt: skip
+    flops = 0
+    if output_mask[0]:  # grad_input: a transposed conv of grad_out with the same weight
+        flops += conv_flop_count(grad_out_shape, w_shape, out_shape[0], not transposed)
+    if output_mask[1]:  # grad_weight: one multiply-add per (output position, weight) pair
+        flops += conv_flop_count(x_shape, w_shape, grad_out_shape, transposed)
+    return flops
+
+
 FLOP_FORMULAS: dict[Any, Callable[..., int]] = {
     aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flop,
     aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_sdpa_backward_flop,
+    aten.convolution_backward: _conv_backward_flop,
 }
-"""FLOP formulas ``torch.utils.flop_counter`` lacks (the CPU flash-attention kernel).
+"""FLOP formulas added to or corrected in ``torch.utils.flop_counter``.
 
-Pass them to ``FlopCounterMode(custom_mapping=FLOP_FORMULAS)`` to count like this module.
+The CPU flash-attention kernel has no formula there, and its convolution backward counts the
+weight gradient of a grouped convolution ``groups`` times (a depthwise conv over ``C``
+channels as if it were dense: Mamba's causal conv). Pass them to
+``FlopCounterMode(custom_mapping=FLOP_FORMULAS)`` to count like this module.
 """
 
 _FORMULAS = {**flop_registry, **{k: shape_wrapper(v) for k, v in FLOP_FORMULAS.items()}}
