@@ -305,3 +305,20 @@ def _validate(value, schema, where="$"):
     if isinstance(value, list) and "items" in schema:
         for i, item in enumerate(value):
             _validate(item, schema["items"], f"{where}[{i}]")
+
+
+@pytest.mark.parametrize("groups, transposed", [(1, False), (1, True), (4, False)])
+def test_convolution_backward_flops_are_groups_aware(groups, transposed):
+    conv = (nn.ConvTranspose2d if transposed else nn.Conv2d)(4, 8, 3, groups=groups)
+    x = torch.randn(2, 4, 10, 10, requires_grad=True)
+    counts = []
+    for mapping in ({}, FLOP_FORMULAS):
+        y = conv(x)
+        with FlopCounterMode(display=False, custom_mapping=mapping) as counter:
+            y.sum().backward()
+        counts.append(counter.get_total_flops())
+    with FlopCounterMode(display=False) as forward:
+        conv(x)
+    assert counts[1] == 2 * forward.get_total_flops()  # grad_input + grad_weight
+    if groups == 1:
+        assert counts[0] == counts[1]  # torch's formula is right for dense convolutions
