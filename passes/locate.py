@@ -156,7 +156,8 @@ def output_slots(node: fx.Node) -> dict[tuple, fx.Node]:
     """Map ``("item", k)`` / ``("attr", name)`` to the users that unpack ``node``'s result."""
     slots = {}
     for user in node.users:
-        if user.op == "call_function" and user.target is operator.getitem:
+        is_item = user.op == "call_function" and user.target is operator.getitem
+        if is_item and isinstance(user.args[1], (int, str)):  # not a tensor's x[:, :n] slice
             slots[("item", user.args[1])] = user
         elif user.op == "call_function" and user.target is getattr:
             slots[("attr", user.args[1])] = user

@@ -121,13 +121,14 @@ def _looks_token_aligned(side: SideValue) -> bool:
 def _region(g: nx.DiGraph, info: StreamInfo, route: Route) -> tuple[set, fx.Node, fx.Node]:
     start = info.blocks[route.start]
     stream_start = input_slots(start.node)[start.in_slot]
-    if route.end < info.depth:
+    if route.end < info.depth and not _ends_where_stream_changes(info, route):
         end = info.blocks[route.end]
         stream_end = input_slots(end.node)[end.in_slot]
         upstream = nx.ancestors(g, end.node)
     else:
-        last = info.blocks[-1]
-        stream_end = info.stream_after or last.stream_out
+        last = info.blocks[route.end - 1]
+        after = info.stream_after if route.end == info.depth else None
+        stream_end = after or last.stream_out
         outs = (set(output_slots(last.node).values()) or {last.node}) | {stream_end}
         upstream = set().union(*(nx.ancestors(g, o) | {o} for o in outs))
     region = (nx.descendants(g, start.node) | {start.node}) & upstream
@@ -137,6 +138,75 @@ def _region(g: nx.DiGraph, info: StreamInfo, route: Route) -> tuple[set, fx.Node
             f"{route.start}; route ({route.start}, {route.end}) does not span a chain of blocks."
         )
     return region, stream_start, stream_end
+
+
+def _tokens(block: BlockCall, info: StreamInfo) -> int:
+    """Token count of the stream entering ``block``."""
+    return block.stream_in.meta["tread_meta"].shape[info.token_dim]
+
+
+def _ends_where_stream_changes(info: StreamInfo, route: Route) -> bool:
+    """The route ends at a list whose stream is longer (text concatenated in between)."""
+    if route.end >= info.depth:
+        return False
+    return _tokens(info.blocks[route.end], info) != _tokens(info.blocks[route.start], info)
+
+
+def _check_one_stream_length(info: StreamInfo, route: Route) -> None:
+    start = info.blocks[route.start]
+    for block in info.blocks[route.start + 1 : route.end]:
+        if _tokens(block, info) != _tokens(start, info):
+            raise TokenStreamError(
+                f"route ({route.start}, {route.end}) starts where blocks see "
+                f"{_tokens(start, info)} tokens, but block {block.index} ({block.path}) sees "
+                f"{_tokens(block, info)}: the model concatenates other tokens (e.g. text) "
+                f"into the stream between {start.list_path} and {block.list_path}. Routes "
+                f"must stay on one stream: end this one at block {block.index} or start it "
+                "there."
+            )
+
+
+def _stream_prefix(g: nx.DiGraph, info: StreamInfo, start: BlockCall) -> int:
+    """Leading tokens never routed in the stream entering ``start``.
+
+    A chained list may run on a longer stream: AuraFlow and Chroma concatenate the text
+    stream in front of the image stream between their joint and single blocks. The parts
+    of that concatenation before the image stream are prefix tokens of the longer stream.
+    """
+    tokens = _tokens(start, info)
+    if tokens == info.num_tokens:
+        return info.prefix
+    first = next(b for b in info.blocks if b.list_path == start.list_path)
+    prev = info.blocks[first.index - 1] if first.index else None
+    if prev is not None and _tokens(prev, info) == info.num_tokens:
+        between = nx.descendants(g, prev.stream_out) & (
+            nx.ancestors(g, first.stream_in) | {first.stream_in}
+        )
+        for node in between:
+            prefix = _prefix_in_cat(g, node, prev.stream_out, info, tokens)
+            if prefix is not None:
+                return prefix + info.prefix
+    raise TokenStreamError(
+        f"the stream entering {start.path} has {tokens} tokens, the stack's first block "
+        f"{info.num_tokens}, and no concatenation of other tokens in front of the image "
+        "stream explains the difference; route only blocks that see the first block's stream."
+    )
+
+
+def _prefix_in_cat(g, node: fx.Node, image: fx.Node, info: StreamInfo, tokens: int) -> int | None:
+    if node.op != "call_function" or node.target not in (torch.cat, torch.concat):
+        return None
+    parts = node.args[0]
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    out = node.meta.get("tread_meta")
+    if not isinstance(out, TensorMeta) or dim % len(out.shape) != info.token_dim:
+        return None
+    sizes = [p.meta["tread_meta"].shape[info.token_dim] for p in parts]
+    for i, part in enumerate(parts):
+        if part is image or nx.has_path(g, image, part):
+            last = i == len(parts) - 1 and sizes[i] == info.num_tokens
+            return sum(sizes[:i]) if last and sum(sizes) == tokens else None
+    return None
 
 
 def _family_slots(g: nx.DiGraph, info: StreamInfo, block: BlockCall) -> set:
@@ -162,6 +232,10 @@ def _family_slots(g: nx.DiGraph, info: StreamInfo, block: BlockCall) -> set:
 
 
 def _is_token_slot(g: nx.DiGraph, info: StreamInfo, value: fx.Node, feeders) -> bool:
+    meta = value.meta.get("tread_meta")
+    shape = getattr(meta, "shape", ())
+    if len(shape) <= info.token_dim or shape[info.token_dim] != info.num_tokens:
+        return False  # e.g. CogVideoX's text stream, sliced off a text+image concatenation
     if feeders is None:  # the stack's first list: by data flow from the model's first input
         return value is info.primary or nx.has_path(g, info.primary, value)
     return _fed_only_by(value, feeders, info)
@@ -336,13 +410,13 @@ def _non_token_carried(g: nx.DiGraph, info: StreamInfo, route: Route) -> set[fx.
     A joint text stream has its own carried slot; when it happens to have as many tokens
     as the image stream, its shape alone would make it look like a stream to scatter.
     """
-    if route.end < info.depth:
+    if route.end < info.depth and not _ends_where_stream_changes(info, route):
         end = info.blocks[route.end]
         slots = input_slots(end.node)
         carried = set(info.carried.get(end.list_path, {}).values())
         family = _family_slots(g, info, end)
         return {slots[k] for k in carried - family if k in slots}
-    last = info.blocks[-1]
+    last = info.blocks[route.end - 1]
     outs = output_slots(last.node)
     family = _family_slots(g, info, last)
     carried = info.carried.get(last.list_path, {})
@@ -410,6 +484,7 @@ def plan_route(
     """
     gm.graph.__dict__.pop("_tread_index", None)
     g = graph_to_networkx(gm.graph)
+    _check_one_stream_length(info, route)
     region, stream_start, stream_end = _region(g, info, route)
     meta = stream_start.meta["tread_meta"]
     layout = StreamLayout(
@@ -417,8 +492,8 @@ def plan_route(
         info.token_dim,
         meta.shape[info.batch_dim],
         meta.shape[info.token_dim],
-        info.prefix,
-        grid,
+        _stream_prefix(g, info, info.blocks[route.start]),
+        grid if meta.shape[info.token_dim] == info.num_tokens else None,
     )
     start = info.blocks[route.start]
     entering = _entering(g, (start, stream_start), region, info, layout, strict)

@@ -21,6 +21,7 @@ import tread_fx
 
 diffusers = pytest.importorskip("diffusers")
 warnings.filterwarnings("ignore", category=FutureWarning, module="diffusers")
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # diffusers deprecations
 
 B, T = 2, 7  # batch, text tokens; 8x8 latents at patch 2 (or 4x4 at patch 1): N = 16
 
@@ -246,3 +247,53 @@ def test_diffusers_gradient_checkpointing_is_kept_in_the_routed_graph(name):
     assert torch.equal(train_forward(model, case), reference)
     gm = tread_fx.routed_graphs(model)[0].gm
     assert sum(bool(n.meta.get("tread_checkpoint")) for n in gm.graph.nodes) == 4
+
+
+def _chroma() -> torch.nn.Module:
+    return diffusers.ChromaTransformer2DModel(
+        patch_size=1, in_channels=16, num_layers=2, num_single_layers=2,
+        attention_head_dim=16, num_attention_heads=2, joint_attention_dim=24,
+        axes_dims_rope=(4, 6, 6), approximator_num_channels=16, approximator_hidden_dim=32,
+        approximator_layers=1,
+    )  # fmt: skip
+
+
+def _chroma_inputs():
+    (hidden,), kwargs = _flux_inputs()()
+    del kwargs["pooled_projections"]
+    return (hidden,), kwargs
+
+
+def test_single_blocks_on_text_plus_image_keep_the_text_as_prefix():
+    # Chroma (like AuraFlow) concatenates the text in front of the image stream between its
+    # joint and single blocks: in the single blocks the text is a prefix never routed
+    case = Case("chroma-single", _chroma, _chroma_inputs, routes=[(2, 4)])
+    check_rate_zero_equals_training(case)
+    (info,) = check_routed_shape_count_and_change(case)
+    assert (info.prefix, info.num_tokens) == (T, T + 16)
+
+
+def test_a_route_across_a_change_of_stream_length_is_refused_precisely():
+    case = Case("chroma-cross", _chroma, _chroma_inputs, routes=[(1, 3)])
+    model = case.route(case.model())
+    with pytest.raises(tread_fx.errors.TokenStreamError, match="end this one at block 2"):
+        train_forward(model, case)
+    case = Case("chroma-joint", _chroma, _chroma_inputs, routes=[(0, 2)])
+    check_rate_zero_equals_training(case)  # ending exactly at the change is fine
+
+
+def test_cogvideox_text_sliced_off_the_joint_embedding_is_not_routed():
+    def make():
+        return diffusers.CogVideoXTransformer3DModel(
+            num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4,
+            time_embed_dim=32, text_embed_dim=24, num_layers=4, sample_width=8,
+            sample_height=8, sample_frames=1, patch_size=2, max_text_seq_length=T,
+        )  # fmt: skip
+
+    def inputs():
+        latents = torch.randn(B, 1, 4, 8, 8, generator=torch.Generator().manual_seed(1))
+        return (latents,), dict(encoder_hidden_states=_text(), timestep=_timesteps().long())
+
+    case = Case("cogvideox", make, inputs)
+    check_rate_zero_equals_training(case)
+    check_routed_shape_count_and_change(case)
