@@ -46,7 +46,13 @@ def scatter_tokens(
     """
     dtype = torch.promote_types(base.dtype, src.dtype)
     index = _token_index(idx, src, token_dim)
-    out = torch.empty_like(base, dtype=dtype)  # base's strides: later reductions sum alike
+    # Every token written back (rate 0): keep base's strides, so that later reductions sum
+    # alike and the result is bitwise the unrouted one. Otherwise take the contiguous layout,
+    # as gather gives the routed blocks: a stream that the model keeps transposed (timm's
+    # PatchEmbed does) costs every later block ~6% (benchmarks/, docs/performance.md).
+    full = src.shape[token_dim] == base.shape[token_dim]
+    layout = torch.preserve_format if full else torch.contiguous_format
+    out = torch.empty_like(base, dtype=dtype, memory_format=layout)
     out.copy_(base)
     return out.scatter_(token_dim, index, src.to(dtype))
 
