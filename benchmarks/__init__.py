@@ -1,0 +1,13 @@
+"""Performance measurements of tread_fx (never timed tests).
+
+Entry point: ``python -m benchmarks.step_time`` (see ``--help`` and ``docs/performance.md``).
+
+Modules:
+    handwritten: a hand-written TREAD forward for the reference models, for comparison only.
+    specs: the benchmarked model configurations and their routes.
+    measure: step timing (interleaved), FLOP counting, activation memory, first-call overhead.
+    report: the JSON file, the markdown table and the targets.
+    step_time: the command line.
+"""
+
+__all__: list[str] = []
