@@ -119,9 +119,8 @@ class GraphDiff:
         for name in self.added:
             attrs = g.nodes[name]
             role = attrs["role"] or "new"
-            lines.append(
-                f"+ {name:<24} {role:<8} {attrs['target']}  <- {', '.join(attrs['inputs'])}"
-            )
+            inputs = f"  <- {', '.join(attrs['inputs'])}" if attrs["inputs"] else ""
+            lines.append(f"+ {name:<24} {role:<8} {attrs['target']}{inputs}")
         for name in self.removed:
             lines.append(f"- {name:<24} {self.original.nodes[name]['target']}")
         for r in self.rewired:

@@ -398,7 +398,12 @@ def _flops_section(exp: Explanation, s: Style) -> list[str]:
     ]
     delta = f.aten_delta()
     items = [f"{d:+d} {op}" for op, d in sorted(delta.items(), key=lambda kv: (-kv[1], kv[0]))]
-    lines += ["  " + (", ".join(items) if items else "none")]
+    wrapped = [""]
+    for item in items:
+        if wrapped[-1] and len(wrapped[-1]) + len(item) > 94:
+            wrapped.append("")
+        wrapped[-1] += (", " if wrapped[-1] else "") + item
+    lines += ["  " + line for line in wrapped] if items else ["  none"]
     return lines
 
 
