@@ -324,7 +324,8 @@ def _classify_entering(side: SideValue, users, carried_slot, family, strict: boo
             return Crossing(
                 node, adapter.action, reason, users, None, options, adapter.shares_selection
             )
-    if side.token_aligned or _looks_token_aligned(side):
+    notes = [f"{a.name}: {n}" for a in adapters() if a.diagnose and (n := a.diagnose(side))]
+    if side.token_aligned or _looks_token_aligned(side) or notes:
         shape = getattr(side.meta, "shape", side.meta)
         message = (
             f"value '{node.name}' with shape {shape} enters the routed blocks "
@@ -333,7 +334,6 @@ def _classify_entering(side: SideValue, users, carried_slot, family, strict: boo
             "tokens. Register a tread_fx.adapters.Adapter for it (action 'gather' or 'pass'), "
             "or pass strict=False to gather token-aligned values and pass the rest."
         )
-        notes = [f"{a.name}: {n}" for a in adapters() if a.diagnose and (n := a.diagnose(side))]
         if notes:
             message += " Rules meant for it declined: " + "; ".join(notes) + "."
         if strict:

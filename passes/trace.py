@@ -522,6 +522,36 @@ def _name_placeholders(graph: fx.Graph, call: tuple, positions: tuple[int, ...])
         node.meta["tread_input_name"] = names[0] if is_kwarg else f"arg{names[0]}"
 
 
+_FACTORIES = ("ones", "zeros", "empty", "full", "rand", "randn", "randint", "arange")
+
+
+@contextlib.contextmanager
+def _factories_take_proxies(tracer: ValueTracer) -> Iterator[None]:
+    """Record ``torch.ones(b, n)`` with traced sizes as a graph call.
+
+    torch's argument parser rejects proxies as varargs sizes before ``__torch_function__``
+    can see them (HunyuanVideo builds its mask with ``torch.ones(batch, seq_len)``).
+    """
+    originals = {name: getattr(torch, name) for name in _FACTORIES}
+
+    def wrap(fn):
+        def factory(*args: Any, **kwargs: Any) -> Any:
+            flat = pytree.tree_leaves((args, kwargs))
+            if tracer.running_eager or not any(isinstance(a, fx.Proxy) for a in flat):
+                return fn(*args, **kwargs)
+            return tracer.create_proxy("call_function", fn, args, kwargs)
+
+        return factory
+
+    try:
+        for name, fn in originals.items():
+            setattr(torch, name, wrap(fn))
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(torch, name, fn)
+
+
 @contextlib.contextmanager
 def _report_grad_mode(tracer: ValueTracer, enabled: bool) -> Iterator[None]:
     """Let traced code see the caller's grad mode although the trace runs without grad.
@@ -553,6 +583,7 @@ def _trace_restoring_state(
             torch.random.fork_rng(devices=devices),
             torch.no_grad(),
             _report_grad_mode(tracer, grad_mode),
+            _factories_take_proxies(tracer),
             _refuse_python_random(tracer),
             _checkpoint_as_plain_call(tracer, model),
         ):

@@ -297,3 +297,30 @@ def test_cogvideox_text_sliced_off_the_joint_embedding_is_not_routed():
     case = Case("cogvideox", make, inputs)
     check_rate_zero_equals_training(case)
     check_routed_shape_count_and_change(case)
+
+
+def test_a_mask_whose_token_rows_cannot_be_found_is_refused_with_the_reason():
+    # HunyuanVideo hands its blocks a [B, 1, 1, N + T] mask built without a concatenation
+    def make():
+        return diffusers.HunyuanVideoTransformer3DModel(
+            in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=16,
+            num_layers=2, num_single_layers=2, num_refiner_layers=1, patch_size=2,
+            patch_size_t=1, text_embed_dim=24, pooled_projection_dim=16,
+            rope_axes_dim=(4, 6, 6), guidance_embeds=False,
+        )  # fmt: skip
+
+    def inputs():
+        latents = torch.randn(B, 4, 1, 8, 8, generator=torch.Generator().manual_seed(1))
+        pooled = torch.randn(B, 16, generator=torch.Generator().manual_seed(3))
+        kwargs = dict(
+            timestep=_timesteps(),
+            encoder_hidden_states=_text(),
+            encoder_attention_mask=torch.ones(B, T),
+            pooled_projections=pooled,
+        )
+        return (latents,), kwargs
+
+    case = Case("hunyuan-video", make, inputs)
+    model = case.route(case.model())
+    with pytest.raises(tread_fx.errors.SideInputError, match=r"attention_mask.*declined"):
+        train_forward(model, case)

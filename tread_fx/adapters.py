@@ -219,9 +219,21 @@ def _mask_rows(side: SideValue, per_sample: bool) -> RowMap | None:
     return _rows(side, per_sample=per_sample, features_last=False)
 
 
+def _covers_tokens(side: SideValue, features_last: bool) -> bool:
+    """Some dim (not the batch, not features) has at least as many rows as routable tokens."""
+    metas = tensor_metas(side.meta)
+    if metas is None:
+        return False
+    shape = metas[0].shape
+    batch = batch_dim_of(metas[0], side)
+    least = side.stream.num_tokens - side.stream.prefix
+    dims = range(len(shape) - int(features_last))
+    return any(shape[d] >= least for d in dims if d != batch)
+
+
 def _why_not(names: frozenset[str], features_last: bool):
     def diagnose(side: SideValue) -> str | None:
-        if not _received_as(side, names):
+        if not _received_as(side, names) or not _covers_tokens(side, features_last):
             return None
         return explain_rows(side, features_last)
 
