@@ -1,7 +1,7 @@
 """The specialisations a trace fixes: what a call must match to reuse a routed graph.
 
 A routed graph is specialised to its input signature (tensor shapes, dtypes, devices and the
-non-tensor arguments), the modules' training flags and the autocast state (``route()`` keys
+non-tensor arguments), the modules' training flags, grad mode and autocast (``route()`` keys
 its trace cache on exactly these), and to the shape-derived Python values the tracer resolved
 (``B, N, C = x.shape``, ``if H != self.img_size``, ``int(N ** 0.5)``). This module lists them.
 
@@ -90,7 +90,7 @@ def input_names(model: nn.Module, args: tuple, kwargs: dict) -> list[str]:
 
 
 def signature_guards(model: nn.Module, args: tuple, kwargs: dict) -> list[Guard]:
-    """Guards of the call signature, the training flags and the autocast state."""
+    """Guards of the call signature, the training flags, grad mode and the autocast state."""
     leaves = pytree.tree_leaves((args, kwargs))
     names = input_names(model, args, kwargs)
     if len(names) != len(leaves):
@@ -101,6 +101,7 @@ def signature_guards(model: nn.Module, args: tuple, kwargs: dict) -> list[Guard]
     ]
     modes = [m.training for m in model.modules()]
     guards.append(Guard("mode", f"training flags of {len(modes)} modules", "all True (train)"))
+    guards.append(Guard("mode", "grad mode", "enabled" if torch.is_grad_enabled() else "disabled"))
     for device in ("cpu", "cuda"):
         if torch.is_autocast_enabled(device):
             dtype = str(torch.get_autocast_dtype(device)).replace("torch.", "")
