@@ -365,7 +365,8 @@ def _out_slot(block: BlockCall, following: BlockCall | None, block_nodes: set) -
         return None
     outs = output_slots(block.node)
     if following is not None and following.list_path == block.list_path:
-        keys = _depends_on(input_slots(following.node)[block.in_slot], outs, block_nodes)
+        following_in = input_slots(following.node).get(block.in_slot)
+        keys = _depends_on(following_in, outs, block_nodes) if following_in is not None else []
         if len(keys) == 1:
             return keys[0]
     shape = block.stream_in.meta["tread_meta"].shape
@@ -394,7 +395,8 @@ def _assign_stream_slots(blocks: list[BlockCall], primary: fx.Node, block_nodes:
             if len(keys) != 1:
                 raise TokenStreamError(
                     f"cannot tell which argument of block {block.path} continues the token "
-                    f"stream of block {prev.path} (candidates {keys}); pass blocks= explicitly."
+                    f"stream of block {prev.path} (candidates {keys}); pass blocks= explicitly, "
+                    f"e.g. blocks={prev.list_path!r} to route only the blocks before it."
                 )
             block.in_slot = keys[0]
         slots = input_slots(block.node)

@@ -166,6 +166,23 @@ def _check_one_stream_length(info: StreamInfo, route: Route) -> None:
             )
 
 
+def _check_no_token_tables_inside(gm: fx.GraphModule, info: StreamInfo, route: Route) -> None:
+    """Refuse blocks that hold a buffer indexed by their input tokens (BEiT's relative
+    position index is [N, N]): they cannot run on fewer tokens."""
+    start = info.blocks[route.start]
+    tokens = _tokens(start, info)
+    sizes = {tokens, tokens - info.prefix}
+    for block in info.blocks[route.start : route.end]:
+        for name, buffer in gm.get_submodule(block.node.target).named_buffers():
+            if buffer.dim() >= 2 and any(s in sizes for s in buffer.shape):
+                raise SideInputError(
+                    f"block {block.index} ({block.path}) holds the buffer {name} of shape "
+                    f"{tuple(buffer.shape)}, a table over its {tokens} input tokens (e.g. a "
+                    "relative position index), so it cannot run on the kept tokens only; "
+                    "route blocks without such tables, or pass blocks= to choose others."
+                )
+
+
 def _stream_prefix(g: nx.DiGraph, info: StreamInfo, start: BlockCall) -> int:
     """Leading tokens never routed in the stream entering ``start``.
 
@@ -374,8 +391,8 @@ def _leaving(region, info, route, stream, entering, layout, non_token=frozenset(
     counterparts = _carried_counterparts(info, route, start_slots)
     crossings = []
     for node in sorted(region, key=_topo_index):
-        outside = [u for u in node.users if u not in region]
-        if not outside:
+        outside = [u for u in node.users if u not in region and (u.users or u.op == "output")]
+        if not outside:  # dead unpacking (RWKV's unused `attentions` item) is not a use
             continue
         meta = node.meta.get("tread_meta")
         if node is stream_end:
@@ -485,6 +502,7 @@ def plan_route(
     gm.graph.__dict__.pop("_tread_index", None)
     g = graph_to_networkx(gm.graph)
     _check_one_stream_length(info, route)
+    _check_no_token_tables_inside(gm, info, route)
     region, stream_start, stream_end = _region(g, info, route)
     meta = stream_start.meta["tread_meta"]
     layout = StreamLayout(

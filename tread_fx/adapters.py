@@ -350,6 +350,49 @@ register_adapter(
     first=False,
 )
 
+_POSITION_NAMES = frozenset({"position_ids", "cache_position", "pos_ids", "positions"})
+
+
+def _position_rows(side: SideValue, per_sample: bool) -> RowMap | None:
+    if not _received_as(side, _POSITION_NAMES):
+        return None
+    is_table, batch = _table_batch(side)
+    if not is_table or (batch is not None) != per_sample:
+        return None
+    return find_rows(side, batch=batch, features_last=False, all_dims=False)
+
+
+register_adapter(
+    Adapter(
+        name="position-ids",
+        matches=lambda side: _position_rows(side, per_sample=True) is not None,
+        action=take_rows,
+        options=lambda side: _position_rows(side, True).options(_table_batch(side)[1]),
+        doc=(
+            "Token positions received as position_ids/cache_position ([B, N]): each "
+            "sample's kept tokens keep their original positions (gathered per sample)."
+        ),
+        builtin=True,
+    ),
+    first=False,
+)
+
+register_adapter(
+    Adapter(
+        name="position-ids-shared",
+        matches=lambda side: _position_rows(side, per_sample=False) is not None,
+        action=take_rows,
+        options=lambda side: _position_rows(side, False).options(None),
+        shares_selection=True,
+        doc=(
+            "Token positions without a batch dim ([N], or [1, N] broadcast over the batch, "
+            "as transformers builds them): indexed with a selection shared across the batch."
+        ),
+        builtin=True,
+    ),
+    first=False,
+)
+
 register_adapter(
     Adapter(
         name="stream-derived",
