@@ -1,0 +1,328 @@
+"""Measurements: training-step time (interleaved), FLOPs, activation memory, first-call overhead.
+
+Every measurement runs the same three variants on one model and one optimizer:
+
+- ``unrouted``: the model's original forward (``type(model).forward``), all tokens;
+- ``route()``: the model routed in place by :func:`tread_fx.route`;
+- ``hand-written``: :mod:`benchmarks.handwritten`, the same routing written by hand.
+
+Example:
+    >>> from benchmarks.measure import median, paired_ratio
+    >>> median([3.0, 1.0, 2.0]), paired_ratio([2.0, 4.0], [1.0, 1.0])
+    (2.0, 3.0)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.flop_counter import FlopCounterMode
+
+import tread_fx
+from benchmarks.handwritten import forward_for
+from benchmarks.specs import ModelSpec
+
+__all__ = [
+    "VARIANTS",
+    "CLOCKS",
+    "Setup",
+    "Variant",
+    "median",
+    "paired_ratio",
+    "build_setup",
+    "time_interleaved",
+    "count_flops",
+    "saved_activation_bytes",
+    "cuda_step_peak_bytes",
+    "first_call_overhead",
+    "autocast_for",
+]
+
+VARIANTS = ("unrouted", "route()", "hand-written")
+
+MEMORY_METHOD_CPU = (
+    "activation memory: bytes of the distinct storages that autograd saves for backward during "
+    "one training forward (torch.autograd.graph.saved_tensors_hooks), parameters and buffers "
+    "excluded (compiled: what the compiled graphs save); deterministic. This is what a training "
+    "step holds at its forward/backward turn."
+)
+MEMORY_METHOD_CUDA = (
+    "torch.cuda.max_memory_allocated during one training step minus the memory allocated "
+    "before it (weights and optimizer state, gradients freed)"
+)
+
+
+def median(values: list[float]) -> float:
+    """Median of a non-empty list."""
+    return float(statistics.median(values))
+
+
+def paired_ratio(numerator: list[float], denominator: list[float]) -> float:
+    """Median over repeats of ``numerator[r] / denominator[r]``.
+
+    Both lists come from the same interleaved repeats, so each pair ran back to back and
+    shares the machine's load at that moment: the paired ratio is steadier than a ratio of
+    medians on a shared machine.
+    """
+    return median([a / b for a, b in zip(numerator, denominator)])
+
+
+def autocast_for(
+    device: torch.device, dtype: torch.dtype | None
+) -> contextlib.AbstractContextManager:
+    """Autocast to ``dtype`` on ``device`` (``None`` or float32: no autocast)."""
+    if dtype is None or dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _plain_forward(model: nn.Module, x: Tensor, t: Tensor, y: Tensor) -> Tensor:
+    """The model's original forward, bypassing routing."""
+    return type(model).forward(model, x, t, y)
+
+
+@dataclass
+class Variant:
+    """One way of running a training forward on fixed inputs (fresh ids on every call)."""
+
+    name: str
+    mode: str
+    forward: Callable[[], Tensor]
+
+
+@dataclass
+class Setup:
+    """A model routed for one mode, its optimizer and its three variants."""
+
+    spec: ModelSpec
+    mode: str
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    variants: list[Variant] = field(default_factory=list)
+
+
+def build_setup(
+    spec: ModelSpec,
+    mode: str,
+    inputs: tuple[Tensor, ...],
+    device: torch.device,
+    seed: int = 0,
+) -> Setup:
+    """Build the model (weights from ``seed``), route it and make the three variants.
+
+    Args:
+        spec: The model.
+        mode: ``"eager"`` or ``"compiled"`` (``torch.compile(fullgraph=True)`` of the forward
+            in every variant; the optimizer step stays eager everywhere).
+        inputs: ``(x, t, y, target)`` on ``device``.
+        device: Where to run.
+        seed: Weight seed (the same for every mode, so every mode starts from the same model).
+    """
+    compiled = mode == "compiled"
+    model = spec.build(seed).to(device)
+    tread_fx.route(
+        model, routes=[spec.route], rate=spec.rate, selection=spec.selection, seed=seed,
+        compile=compiled,
+    )  # fmt: skip
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x, t, y, _ = inputs
+    start, end = spec.route
+    hand = forward_for(model)
+    plain = _plain_forward
+    if compiled:
+        plain = torch.compile(_plain_forward, fullgraph=True, dynamic=False)
+        hand = torch.compile(hand, fullgraph=True, dynamic=False)
+    generator = torch.Generator(device).manual_seed(seed)
+    batch = x.shape[0]
+
+    def run_hand() -> Tensor:
+        ids = spec.draw_ids(model, batch, generator, device)
+        return hand(model, x, t, y, ids, start, end)
+
+    variants = [
+        Variant("unrouted", mode, lambda: plain(model, x, t, y)),
+        Variant("route()", mode, lambda: model(x, t, y)),
+        Variant("hand-written", mode, run_hand),
+    ]
+    return Setup(spec, mode, model, optimizer, variants)
+
+
+def make_step(
+    setup: Setup,
+    variant: Variant,
+    target: Tensor,
+    autocast: Callable[[], contextlib.AbstractContextManager],
+) -> Callable[[], None]:
+    """One optimisation step: forward, MSE loss on every output token, backward, AdamW step."""
+
+    def step() -> None:
+        setup.optimizer.zero_grad(set_to_none=True)
+        with autocast():
+            out = variant.forward()
+        F.mse_loss(out.float(), target).backward()
+        setup.optimizer.step()
+
+    return step
+
+
+CLOCKS = ("wall", "cpu")
+
+
+def time_interleaved(
+    steps: dict[str, Callable[[], None]],
+    warmup: int,
+    repeats: int,
+    device: torch.device,
+    deadline: float | None = None,
+    log: Callable[[str], None] = lambda _: None,
+) -> tuple[dict[str, dict[str, list[float]]], dict[str, float]]:
+    """Time each step ``repeats`` times, interleaved, after ``warmup`` untimed rounds.
+
+    Round ``r`` runs every step once, in an order rotated by ``r`` so that no variant always
+    follows the same one. Stops early (after at least 3 rounds) once ``deadline``
+    (``time.monotonic()``) has passed. Two clocks are read around every step: ``wall``
+    (``time.perf_counter``) and ``cpu`` (``time.process_time``: CPU seconds of this process,
+    all its threads; on a shared machine it leaves out the time the process waited for a core).
+
+    Returns:
+        ``times[clock][step]``: seconds per round; and the wall time of each step's first
+        warm-up call (which includes tracing, rewriting and, when compiled, compilation).
+    """
+    names = list(steps)
+    first: dict[str, float] = {}
+    for w in range(warmup):
+        for name in names:
+            wall, _ = _timed(steps[name], device)
+            first.setdefault(name, wall)
+            log(f"  warm-up {w + 1}/{warmup} {name}: {wall:.3f} s")
+    times: dict[str, dict[str, list[float]]] = {c: {n: [] for n in names} for c in CLOCKS}
+    for r in range(repeats):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            for clock, value in zip(CLOCKS, _timed(steps[name], device)):
+                times[clock][name].append(value)
+        row = ", ".join(f"{n} {times['wall'][n][-1]:.3f}/{times['cpu'][n][-1]:.3f}" for n in names)
+        log(f"  round {r + 1}/{repeats} (wall/cpu s): {row}")
+        if deadline is not None and r + 1 >= 3 and time.monotonic() > deadline:
+            log("  time budget reached: stopping the rounds here")
+            break
+    return times, first
+
+
+def _timed(step: Callable[[], None], device: torch.device) -> tuple[float, float]:
+    _sync(device)
+    wall, cpu = time.perf_counter(), time.process_time()
+    step()
+    _sync(device)
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def count_flops(
+    forward: Callable[[], Tensor],
+    target: Tensor,
+    autocast: Callable[[], contextlib.AbstractContextManager],
+) -> int:
+    """FLOPs of one forward + backward (``torch.utils.flop_counter``; matmul/conv/attention)."""
+    with FlopCounterMode(display=False) as counter:
+        with autocast():
+            out = forward()
+        F.mse_loss(out.float(), target).backward()
+    return int(counter.get_total_flops())
+
+
+@contextlib.contextmanager
+def _recording_saved(exclude: set[int]) -> Iterator[dict[int, int]]:
+    seen: dict[int, int] = {}
+
+    def pack(tensor: Tensor) -> Tensor:
+        storage = tensor.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr and ptr not in exclude:
+            seen[ptr] = max(seen.get(ptr, 0), storage.nbytes())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        yield seen
+
+
+def saved_activation_bytes(
+    model: nn.Module,
+    forward: Callable[[], Tensor],
+    autocast: Callable[[], contextlib.AbstractContextManager],
+) -> int:
+    """Bytes of the distinct storages saved for backward by one training forward.
+
+    Parameters and buffers are excluded (every variant holds them alike); the outputs are
+    dropped without a backward, which frees the graph.
+    """
+    tensors = [*model.parameters(), *model.buffers()]
+    exclude = {p.untyped_storage().data_ptr() for p in tensors}
+    with _recording_saved(exclude) as seen, autocast():
+        out = forward()
+    del out
+    return int(sum(seen.values()))
+
+
+def cuda_step_peak_bytes(setup: Setup, step: Callable[[], None], device: torch.device) -> int:
+    """Peak CUDA memory of one step above the resting weights and optimizer state."""
+    setup.optimizer.zero_grad(set_to_none=True)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    step()
+    torch.cuda.synchronize(device)
+    return int(torch.cuda.max_memory_allocated(device) - base)
+
+
+def first_call_overhead(
+    spec: ModelSpec,
+    inputs: tuple[Tensor, ...],
+    device: torch.device,
+    autocast: Callable[[], contextlib.AbstractContextManager],
+    plain_repeats: int = 3,
+) -> dict[str, dict[str, float]]:
+    """Time of the first routed training call (trace + rewrite + run) against a plain one.
+
+    The model is fresh. One untimed plain training forward warms the kernels; then the plain
+    training forward is timed ``plain_repeats`` times (median), the model is routed, and its
+    first and second routed training calls are timed.
+
+    Returns:
+        Per clock (``wall``, ``cpu``): ``plain_s``, ``first_routed_s``, ``second_routed_s``,
+        ``overhead_s`` (first routed minus plain: what the user waits for beyond an ordinary
+        forward) and ``pipeline_s`` (first minus second routed call: trace and rewrite).
+    """
+    x, t, y, _ = inputs
+    model = spec.build().to(device)
+
+    def timed() -> tuple[float, float]:
+        with autocast():
+            return _timed(lambda: model(x, t, y), device)
+
+    timed()
+    plains = [timed() for _ in range(plain_repeats)]
+    tread_fx.route(model, routes=[spec.route], rate=spec.rate, selection=spec.selection, seed=0)
+    first, second = timed(), timed()
+    out = {}
+    for i, clock in enumerate(CLOCKS):
+        plain = median([p[i] for p in plains])
+        out[clock] = {
+            "plain_s": plain,
+            "first_routed_s": first[i],
+            "second_routed_s": second[i],
+            "overhead_s": first[i] - plain,
+            "pipeline_s": first[i] - second[i],
+        }
+    return out

@@ -1,0 +1,238 @@
+"""Summaries, targets, the JSON file and the markdown table of a benchmark run.
+
+Example:
+    >>> from benchmarks.report import summarise_mode
+    >>> times = {"unrouted": [2.0, 2.2], "route()": [1.4, 1.5], "hand-written": [1.4, 1.5]}
+    >>> flops = {"unrouted": 300, "route()": 200, "hand-written": 200}
+    >>> round(summarise_mode(times, {}, flops)["efficiency_route"], 3)
+    0.976
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from benchmarks.measure import CLOCKS, VARIANTS, median, paired_ratio
+
+__all__ = ["summarise_mode", "evaluate_targets", "to_markdown", "write_outputs", "TARGETS"]
+
+#: The issue's targets (CPU, S/2 size); checked on every model and mode they apply to.
+TARGETS = {
+    "efficiency_eager": 0.95,
+    "route_vs_hand": 1.02,
+    "memory_slack": 0.05,
+    "first_call_overhead_s": 2.0,
+}
+_CLOCK_TEXT = {
+    "wall": "time.perf_counter, what a user waits for",
+    "cpu": "time.process_time, CPU seconds of the process: on a shared machine it leaves out the "
+    "time spent waiting for a core",
+}
+#: The paper's throughput (one A100, batch 64, DiT-XL/2), for the GPU table.
+PAPER_A100 = {"route() it/s": 7.10, "unrouted it/s": 4.30}
+
+
+def summarise_mode(
+    times: dict[str, list[float]],
+    first: dict[str, float],
+    flops: dict[str, int],
+    memory: dict[str, int] | None = None,
+) -> dict[str, Any]:
+    """Ratios of one mode: speed-ups, FLOP prediction, efficiency, route() vs hand, memory.
+
+    Speed-ups and the route()/hand-written ratio are medians of per-round ratios (see
+    :func:`benchmarks.measure.paired_ratio`); efficiency = measured speed-up / (1 / FLOP ratio).
+    """
+    u, r, h = (times[v] for v in VARIANTS)
+    flop_ratio = flops["route()"] / flops["unrouted"]
+    summary: dict[str, Any] = {
+        "repeats": len(u),
+        "median_s": {v: median(times[v]) for v in VARIANTS},
+        "first_call_s": dict(first),
+        "flop_ratio": flop_ratio,
+        "flop_ratio_hand": flops["hand-written"] / flops["unrouted"],
+        "predicted_speedup": 1.0 / flop_ratio,
+        "speedup_route": paired_ratio(u, r),
+        "speedup_hand": paired_ratio(u, h),
+        "route_vs_hand": paired_ratio(r, h),
+    }
+    summary["efficiency_route"] = summary["speedup_route"] * flop_ratio
+    summary["efficiency_hand"] = summary["speedup_hand"] * summary["flop_ratio_hand"]
+    if memory:
+        summary["memory_bytes"] = dict(memory)
+        summary["memory_ratio_route"] = memory["route()"] / memory["unrouted"]
+        summary["memory_ratio_hand"] = memory["hand-written"] / memory["unrouted"]
+    return summary
+
+
+def _check(name: str, where: str, value: float | None, limit: float, upper: bool) -> dict:
+    if value is None:
+        return {"target": name, "where": where, "value": None, "limit": limit, "met": None}
+    met = value <= limit if upper else value >= limit
+    return {"target": name, "where": where, "value": value, "limit": limit, "met": bool(met)}
+
+
+def evaluate_targets(results: dict[str, Any]) -> list[dict]:
+    """Check every target where it applies; ``met`` is None when it could not be measured."""
+    checks = []
+    clock = results["meta"]["clock"]
+    for entry in results["models"]:
+        for mode, by_clock in entry["modes"].items():
+            s, where = by_clock[clock], f"{entry['label']} {mode}"
+            if mode == "eager":
+                checks.append(
+                    _check(
+                        "efficiency >= 0.95",
+                        where,
+                        s["efficiency_route"],
+                        TARGETS["efficiency_eager"],
+                        upper=False,
+                    )
+                )
+            checks.append(
+                _check(
+                    "route() / hand-written <= 1.02",
+                    where,
+                    s["route_vs_hand"],
+                    TARGETS["route_vs_hand"],
+                    upper=True,
+                )
+            )
+            if "memory_ratio_route" in s:
+                limit = s["flop_ratio"] + TARGETS["memory_slack"]
+                checks.append(
+                    _check(
+                        "memory ratio <= FLOP ratio + 0.05",
+                        where,
+                        s["memory_ratio_route"],
+                        limit,
+                        upper=True,
+                    )
+                )
+    first = results.get("first_call")
+    if first:
+        checks.append(
+            _check(
+                f"first-call overhead <= 2 s ({clock})",
+                first["label"],
+                first[clock]["overhead_s"],
+                TARGETS["first_call_overhead_s"],
+                upper=True,
+            )
+        )
+    return checks  # fmt: skip
+
+
+def _f(value: Any, digits: int = 3) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def _main_table(results: dict[str, Any], clock: str) -> list[str]:
+    head = (
+        "| model | mode | batch | unrouted s/step | route() s/step | hand-written s/step "
+        "| FLOP ratio | FLOP-predicted speed-up | measured speed-up route() | measured speed-up "
+        "hand | efficiency route() | efficiency hand | route() / hand time | memory ratio "
+        "route() | memory ratio hand |"
+    )
+    lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
+    for e in results["models"]:
+        for mode, by_clock in e["modes"].items():
+            s = by_clock[clock]
+            m = s["median_s"]
+            lines.append(
+                f"| {e['label']} | {mode} | {e['batch']} | {_f(m['unrouted'])} | "
+                f"{_f(m['route()'])} | {_f(m['hand-written'])} | {_f(s['flop_ratio'])} | "
+                f"{_f(s['predicted_speedup'])} | {_f(s['speedup_route'])} | "
+                f"{_f(s['speedup_hand'])} | {_f(s['efficiency_route'])} | "
+                f"{_f(s['efficiency_hand'])} | {_f(s['route_vs_hand'])} | "
+                f"{_f(s.get('memory_ratio_route'))} | {_f(s.get('memory_ratio_hand'))} |"
+            )
+    return lines
+
+
+def _first_call_lines(first: dict[str, Any]) -> list[str]:
+    rows = [
+        f"| {clock} | {_f(c['plain_s'])} s | {_f(c['first_routed_s'])} s | "
+        f"{_f(c['second_routed_s'])} s | {_f(c['overhead_s'])} s | {_f(c['pipeline_s'])} s |"
+        for clock, c in ((k, first[k]) for k in CLOCKS)
+    ]
+    return [
+        f"First routed call, {first['label']} (batch {first['batch']}, {first['tokens']} tokens, "
+        f"route {tuple(first['route'])}), model fresh:",
+        "",
+        "| clock | plain training forward | first routed call | second routed call | overhead "
+        "(first routed - plain) | trace + rewrite (first - second routed) |",
+        "|---|---|---|---|---|---|",
+        *rows,
+    ]
+
+
+def _target_lines(checks: list[dict]) -> list[str]:
+    lines = ["| target | where | value | limit | met |", "|---|---|---|---|---|"]
+    for c in checks:
+        met = {True: "yes", False: "**no**", None: "n/a"}[c["met"]]
+        lines.append(f"| {c['target']} | {c['where']} | {_f(c['value'])} | {_f(c['limit'])} "
+                     f"| {met} |")  # fmt: skip
+    return lines
+
+
+def _gpu_lines(results: dict[str, Any]) -> list[str]:
+    lines = []
+    for e in results["models"]:
+        for mode, by_clock in e["modes"].items():
+            u, r = (1.0 / by_clock["wall"]["median_s"][v] for v in ("unrouted", "route()"))
+            lines.append(f"- {e['label']} {mode}: route() {r:.2f} it/s vs unrouted {u:.2f} it/s "
+                         f"({r / u:.2f}x).")  # fmt: skip
+    paper = PAPER_A100
+    ratio = paper["route() it/s"] / paper["unrouted it/s"]
+    lines.append(f"- Paper (one A100, DiT-XL/2, batch 64): TREAD {paper['route() it/s']} it/s vs "
+                 f"DiT {paper['unrouted it/s']} it/s ({ratio:.2f}x).")  # fmt: skip
+    return lines
+
+
+def to_markdown(results: dict[str, Any]) -> str:
+    """The markdown report: main table, first-call table, targets, method and command."""
+    meta, clock = results["meta"], results["meta"]["clock"]
+    other = next(c for c in CLOCKS if c != clock)
+    lines = [
+        f"# Step time: unrouted vs tread_fx.route() vs hand-written TREAD ({meta['device']})",
+        "",
+        f"Command: `{meta['command']}`",
+        "",
+        f"torch {meta['torch']}, {meta['device_name']}, {meta['threads']} threads, dtype "
+        f"{meta['dtype']}; load average at start {meta['load_start']}, at end {meta['load_end']}.",
+        "",
+        f"Times and ratios by the {clock} clock ({_CLOCK_TEXT[clock]}):",
+        "",
+        *_main_table(results, clock),
+        "",
+    ]
+    if not meta["device"].startswith("cuda"):
+        lines += [f"The same rounds by the {other} clock ({_CLOCK_TEXT[other]}):", "",
+                  *_main_table(results, other), ""]  # fmt: skip
+    if results.get("first_call"):
+        lines += [*_first_call_lines(results["first_call"]), ""]
+    if meta["device"].startswith("cuda"):
+        lines += [*_gpu_lines(results), ""]
+    lines += ["Targets:", "", *_target_lines(results["targets"]), ""]
+    for e in results["models"]:
+        if e.get("note"):
+            lines.append(f"- {e['label']}: route {tuple(e['route'])}, rate {e['rate']}, "
+                         f"{e['tokens']} tokens -> {e['kept']} kept; {e['note']}.")  # fmt: skip
+    for skipped in results.get("skipped", []):
+        lines.append(f"- skipped: {skipped}")
+    lines += ["", "Method:", "", *[f"- {m}" for m in meta["method"]], ""]
+    return "\n".join(lines)
+
+
+def write_outputs(results: dict[str, Any], out: str | Path) -> tuple[Path, Path]:
+    """Write ``<out>.json`` and ``<out>.md`` (parent folders created)."""
+    base = Path(out)
+    base = base.with_suffix("") if base.suffix in (".json", ".md") else base
+    base.parent.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = base.with_name(base.name + ".json"), base.with_name(base.name + ".md")
+    json_path.write_text(json.dumps(results, indent=2) + "\n")
+    md_path.write_text(to_markdown(results))
+    return json_path, md_path

@@ -1,0 +1,137 @@
+"""benchmarks/: the entry point on tiny models, and hand-written == route() for the same ids.
+
+No timing is asserted anywhere: times on a shared CI machine prove nothing. What is asserted
+is deterministic: the output structure, equal outputs for equal ids, and equal FLOPs and
+saved-activation bytes for route() and the hand-written forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import randomize_zero_init
+
+import tread_fx
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import measure, step_time  # noqa: E402
+from benchmarks.handwritten import forward_for  # noqa: E402
+from benchmarks.specs import SPECS, get_spec, make_inputs, model_available  # noqa: E402
+
+FAMILIES = [n for n in ("dit-s2", "mamba", "rwkv") if model_available(SPECS[n])]
+
+
+def _tiny_model(name: str) -> tuple:
+    spec = get_spec(name, tiny=True)
+    model = spec.build(seed=0)
+    randomize_zero_init(model)  # adaLN-Zero blocks start as identities: give them signal
+    return spec, model, make_inputs(spec, batch=3)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_handwritten_forward_equals_route_for_the_same_ids(name):
+    spec, model, (x, t, y, target) = _tiny_model(name)
+    tread_fx.route(model, routes=[spec.route], rate=spec.rate, selection=spec.selection, seed=3)
+    with torch.random.fork_rng():  # label dropout draws from the global RNG in both
+        torch.manual_seed(7)
+        routed = model.train()(x, t, y)
+    ids = tread_fx.route_info(model)[0].kept
+    assert ids.shape == (3, spec.kept_tokens(model))
+    with torch.random.fork_rng():
+        torch.manual_seed(7)
+        hand = forward_for(model)(model, x, t, y, ids, *spec.route)
+    torch.testing.assert_close(hand, routed, rtol=0, atol=0)
+    grads = []
+    for out in (routed, hand):
+        model.zero_grad(set_to_none=True)
+        torch.nn.functional.mse_loss(out, target).backward()
+        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+    assert len(grads[0]) == len(grads[1])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_route_costs_the_same_flops_and_saved_bytes_as_the_handwritten_forward(name):
+    spec = get_spec(name, tiny=True)
+    inputs = make_inputs(spec, batch=2)
+    setup = measure.build_setup(spec, "eager", inputs, torch.device("cpu"))
+    setup.variants[1].forward()  # the lazy trace is not part of a step
+    none = contextlib.nullcontext
+    flops = {v.name: measure.count_flops(v.forward, inputs[3], none) for v in setup.variants}
+    saved = {
+        v.name: measure.saved_activation_bytes(setup.model, v.forward, none) for v in setup.variants
+    }
+    assert flops["route()"] == flops["hand-written"] < flops["unrouted"]
+    assert saved["route()"] == saved["hand-written"] < saved["unrouted"]
+
+
+def _check_results(out: Path, models: list[str], modes: list[str]) -> None:
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert data["meta"]["clock"] in measure.CLOCKS and data["meta"]["tiny"] is True
+    assert [e["model"] for e in data["models"]] == models
+    for entry in data["models"]:
+        assert set(entry["flops"]) == set(measure.VARIANTS)
+        assert list(entry["modes"]) == modes
+        for by_clock in entry["modes"].values():
+            assert set(by_clock) == set(measure.CLOCKS)
+            for s in by_clock.values():
+                assert set(s["median_s"]) == set(measure.VARIANTS)
+                for key in ("flop_ratio", "speedup_route", "efficiency_route", "route_vs_hand"):
+                    assert s[key] > 0
+                assert s["flop_ratio"] == pytest.approx(s["flop_ratio_hand"])
+    first = data["first_call"]
+    assert set(first["cpu"]) == {"plain_s", "first_routed_s", "second_routed_s", "overhead_s",
+                                 "pipeline_s"}  # fmt: skip
+    assert all(t["met"] in (True, False, None) for t in data["targets"])
+    md = out.with_suffix(".md").read_text()
+    assert "| model | mode | batch | unrouted s/step |" in md
+    assert "First routed call" in md and "Targets:" in md and "Method:" in md
+    for entry in data["models"]:
+        assert entry["label"] in md
+
+
+def test_entry_point_on_tiny_models_writes_json_and_markdown(tmp_path):
+    out = tmp_path / "bench"
+    models = FAMILIES
+    argv = ["--tiny", "--models", ",".join(models), "--modes", "eager", "--repeats", "1",
+            "--warmup", "1", "--out", str(out), "--quiet"]  # fmt: skip
+    assert step_time.main(argv) == 0
+    _check_results(out, models, ["eager"])
+
+
+def test_presets_fill_unset_options_and_keep_explicit_ones():
+    cpu = step_time.parse_args(["--repeats", "3"])
+    assert cpu.repeats == 3 and cpu.clock == "cpu" and cpu.models.startswith("dit-s2")
+    gpu = step_time.parse_args(["--device", "cuda", "--dtype", "bf16"])
+    assert (gpu.models, gpu.batch, gpu.clock, gpu.preset) == ("dit-xl2", 64, "wall", "gpu")
+    assert "compiled" in gpu.modes and gpu.first_call == "dit-xl2"
+
+
+@pytest.mark.slow
+def test_entry_point_compiled_mode_on_a_tiny_dit(tmp_path):
+    out = tmp_path / "bench"
+    argv = ["--tiny", "--models", "dit-s2", "--modes", "eager,compiled", "--repeats", "1",
+            "--warmup", "1", "--first-call", "none", "--out", str(out), "--quiet"]  # fmt: skip
+    assert step_time.main(argv) == 0
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert list(data["models"][0]["modes"]) == ["eager", "compiled"]
+    assert data["first_call"] is None
+
+
+def test_scatter_re_enters_contiguous_unless_every_token_is_written_back():
+    base = torch.randn(2, 8, 6).transpose(1, 2)  # [2, 6, 8], a transposed stream like timm's
+    some = torch.tensor([[0, 2, 5], [1, 3, 4]])
+    out = tread_fx.ops.scatter_tokens(base, torch.randn(2, 3, 8), some)
+    assert out.is_contiguous()
+    every = torch.arange(6).expand(2, 6)
+    kept_all = tread_fx.ops.scatter_tokens(base, base.clone(), every)
+    assert kept_all.stride() == base.stride() and torch.equal(kept_all, base)
