@@ -201,7 +201,8 @@ def to_markdown(results: dict[str, Any]) -> str:
         "",
         f"Command: `{meta['command']}`",
         "",
-        f"torch {meta['torch']}, {meta['device_name']}, {meta['threads']} threads, dtype "
+        f"tread_fx {meta.get('git', 'n/a')}, torch {meta['torch']}, {meta['device_name']}, "
+        f"{meta['threads']} threads, dtype "
         f"{meta['dtype']}; load average at start {meta['load_start']}, at end {meta['load_end']}.",
         "",
         f"Times and ratios by the {clock} clock ({_CLOCK_TEXT[clock]}):",

@@ -114,6 +114,30 @@ def _load() -> str:
         return "n/a"
 
 
+def _git_revision() -> str:
+    """HEAD of the checkout the benchmark runs from (``+dirty`` with uncommitted changes)."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "n/a"
+    return head + ("+dirty" if dirty else "")  # fmt: skip
+
+
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -255,6 +279,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict[st
         "torch": torch.__version__, "device": str(device), "device_name": _device_name(device),
         "threads": torch.get_num_threads(), "dtype": args.dtype, "load_start": _load(),
         "method": _method_notes(device), "tiny": args.tiny, "clock": args.clock,
+        "git": _git_revision(),
     }, "models": [], "skipped": []}  # fmt: skip
     for name in [n for n in args.models.split(",") if n and n != "none"]:
         spec = get_spec(name, tiny=args.tiny)
