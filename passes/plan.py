@@ -24,8 +24,17 @@ import torch
 import torch.fx as fx
 
 from tread_fx.adapters import SideValue, StreamLayout, adapters
-from tread_fx.errors import InvalidRateError, SideInputError, TokenStreamError
+from tread_fx.errors import InvalidRateError, SelectionError, SideInputError, TokenStreamError
 from tread_fx.passes.locate import BlockCall, StreamInfo, input_slots, output_slots
+from tread_fx.passes.streams import (
+    check_no_token_tables_inside,
+    check_one_stream_length,
+    ends_where_stream_changes,
+    family_slots,
+    grid_arguments,
+    non_token_carried,
+    stream_prefix,
+)
 from tread_fx.passes.trace import TensorMeta
 from tread_fx.routes import Route
 from tread_fx.selection import Strategy, kept_units
@@ -79,6 +88,7 @@ class RoutePlan:
     keep_units: int
     kept_tokens: int
     shared_selection: bool = False
+    height_args: list[tuple] = field(default_factory=list)
 
 
 def graph_to_networkx(graph: fx.Graph) -> nx.DiGraph:
@@ -121,7 +131,7 @@ def _looks_token_aligned(side: SideValue) -> bool:
 def _region(g: nx.DiGraph, info: StreamInfo, route: Route) -> tuple[set, fx.Node, fx.Node]:
     start = info.blocks[route.start]
     stream_start = input_slots(start.node)[start.in_slot]
-    if route.end < info.depth and not _ends_where_stream_changes(info, route):
+    if route.end < info.depth and not ends_where_stream_changes(info, route):
         end = info.blocks[route.end]
         stream_end = input_slots(end.node)[end.in_slot]
         upstream = nx.ancestors(g, end.node)
@@ -138,151 +148,6 @@ def _region(g: nx.DiGraph, info: StreamInfo, route: Route) -> tuple[set, fx.Node
             f"{route.start}; route ({route.start}, {route.end}) does not span a chain of blocks."
         )
     return region, stream_start, stream_end
-
-
-def _tokens(block: BlockCall, info: StreamInfo) -> int:
-    """Token count of the stream entering ``block``."""
-    return block.stream_in.meta["tread_meta"].shape[info.token_dim]
-
-
-def _ends_where_stream_changes(info: StreamInfo, route: Route) -> bool:
-    """The route ends at a list whose stream is longer (text concatenated in between)."""
-    if route.end >= info.depth:
-        return False
-    return _tokens(info.blocks[route.end], info) != _tokens(info.blocks[route.start], info)
-
-
-def _check_one_stream_length(info: StreamInfo, route: Route) -> None:
-    start = info.blocks[route.start]
-    for block in info.blocks[route.start + 1 : route.end]:
-        if _tokens(block, info) != _tokens(start, info):
-            raise TokenStreamError(
-                f"route ({route.start}, {route.end}) starts where blocks see "
-                f"{_tokens(start, info)} tokens, but block {block.index} ({block.path}) sees "
-                f"{_tokens(block, info)}: the model concatenates other tokens (e.g. text) "
-                f"into the stream between {start.list_path} and {block.list_path}. Routes "
-                f"must stay on one stream: end this one at block {block.index} or start it "
-                "there."
-            )
-
-
-def _check_no_token_tables_inside(gm: fx.GraphModule, info: StreamInfo, route: Route) -> None:
-    """Refuse blocks that hold a buffer indexed by their input tokens (BEiT's relative
-    position index is [N, N]): they cannot run on fewer tokens."""
-    start = info.blocks[route.start]
-    tokens = _tokens(start, info)
-    sizes = {tokens, tokens - info.prefix}
-    for block in info.blocks[route.start : route.end]:
-        for name, buffer in gm.get_submodule(block.node.target).named_buffers():
-            if buffer.dim() >= 2 and any(s in sizes for s in buffer.shape):
-                raise SideInputError(
-                    f"block {block.index} ({block.path}) holds the buffer {name} of shape "
-                    f"{tuple(buffer.shape)}, a table over its {tokens} input tokens (e.g. a "
-                    "relative position index), so it cannot run on the kept tokens only; "
-                    "route blocks without such tables, or pass blocks= to choose others."
-                )
-
-
-def _stream_prefix(g: nx.DiGraph, info: StreamInfo, start: BlockCall) -> int:
-    """Leading tokens never routed in the stream entering ``start``.
-
-    A chained list may run on a longer stream: AuraFlow and Chroma concatenate the text
-    stream in front of the image stream between their joint and single blocks. The parts
-    of that concatenation before the image stream are prefix tokens of the longer stream.
-    """
-    tokens = _tokens(start, info)
-    if tokens == info.num_tokens:
-        return info.prefix
-    first = next(b for b in info.blocks if b.list_path == start.list_path)
-    prev = info.blocks[first.index - 1] if first.index else None
-    if prev is not None and _tokens(prev, info) == info.num_tokens:
-        between = nx.descendants(g, prev.stream_out) & (
-            nx.ancestors(g, first.stream_in) | {first.stream_in}
-        )
-        for node in between:
-            prefix = _prefix_in_cat(g, node, prev.stream_out, info, tokens)
-            if prefix is not None:
-                return prefix + info.prefix
-    raise TokenStreamError(
-        f"the stream entering {start.path} has {tokens} tokens, the stack's first block "
-        f"{info.num_tokens}, and no concatenation of other tokens in front of the image "
-        "stream explains the difference; route only blocks that see the first block's stream."
-    )
-
-
-def _prefix_in_cat(g, node: fx.Node, image: fx.Node, info: StreamInfo, tokens: int) -> int | None:
-    if node.op != "call_function" or node.target not in (torch.cat, torch.concat):
-        return None
-    parts = node.args[0]
-    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
-    out = node.meta.get("tread_meta")
-    if not isinstance(out, TensorMeta) or dim % len(out.shape) != info.token_dim:
-        return None
-    sizes = [p.meta["tread_meta"].shape[info.token_dim] for p in parts]
-    for i, part in enumerate(parts):
-        if part is image or nx.has_path(g, image, part):
-            last = i == len(parts) - 1 and sizes[i] == info.num_tokens
-            return sum(sizes[:i]) if last and sum(sizes) == tokens else None
-    return None
-
-
-def _family_slots(g: nx.DiGraph, info: StreamInfo, block: BlockCall) -> set:
-    """Carried input slots of ``block``'s list that hold token streams.
-
-    In the stack's first list these are the carried slots whose value descends from the
-    model's first input. A chained list (Flux's single blocks after its joint blocks)
-    inherits them slot by slot: its carried input is a token stream only if it is fed by
-    the previous list's token-stream outputs alone — a joint text stream that attended to
-    the image tokens is not one, although it depends on them.
-    """
-    family: set = set()
-    for n, path in enumerate(info.list_paths):
-        members = [b for b in info.blocks if b.list_path == path]
-        slots = input_slots(members[0].node)
-        carried = (set(info.carried.get(path, {}).values()) | {members[0].in_slot}) & set(slots)
-        feeders = _family_outputs(info, info.list_paths[n - 1], family) if n else None
-        family = {k for k in carried if _is_token_slot(g, info, slots[k], feeders)}
-        family.add(members[0].in_slot)
-        if path == block.list_path:
-            return family
-    return family
-
-
-def _is_token_slot(g: nx.DiGraph, info: StreamInfo, value: fx.Node, feeders) -> bool:
-    meta = value.meta.get("tread_meta")
-    shape = getattr(meta, "shape", ())
-    if len(shape) <= info.token_dim or shape[info.token_dim] != info.num_tokens:
-        return False  # e.g. CogVideoX's text stream, sliced off a text+image concatenation
-    if feeders is None:  # the stack's first list: by data flow from the model's first input
-        return value is info.primary or nx.has_path(g, info.primary, value)
-    return _fed_only_by(value, feeders, info)
-
-
-def _family_outputs(info: StreamInfo, path: str, family: set) -> tuple[set, set]:
-    """(token-stream outputs, all outputs) of the last block of list ``path``."""
-    last = [b for b in info.blocks if b.list_path == path][-1]
-    outs = output_slots(last.node)
-    if not outs:
-        return {last.node}, {last.node}
-    carried = info.carried.get(path, {})
-    tokens = {node for key, node in outs.items() if carried.get(key) in family}
-    return tokens | {last.stream_out}, set(outs.values())
-
-
-def _fed_only_by(node: fx.Node, feeders: tuple[set, set], info: StreamInfo) -> bool:
-    """Whether ``node`` depends on token-stream outputs of the previous list and no other."""
-    tokens, outputs = feeders
-    stop = {b.node for b in info.blocks} | outputs
-    seen, todo = set(), [node]
-    while todo:
-        current = todo.pop()
-        if current in seen:
-            continue
-        seen.add(current)
-        if current not in outputs:
-            todo.extend(a for a in current.all_input_nodes if a not in stop or a in outputs)
-    reached = seen & outputs
-    return bool(reached) and reached <= tokens
 
 
 def _argument_name(block: Any, key: tuple) -> str:
@@ -365,7 +230,7 @@ def _entering(g, plan_args, region, info, layout, strict) -> list[Crossing]:
     start, stream_start = plan_args
     block_nodes = {b.node: _module_of(b) for b in info.blocks}
     start_slots = {n: k for k, n in input_slots(start.node).items()}
-    family = _family_slots(g, info, start)
+    family = family_slots(g, info, start)
     carried = set(info.carried.get(start.list_path, {}).values())
     crossings, seen = [], {}
     for node in sorted(region, key=_topo_index):
@@ -421,25 +286,6 @@ def _leaving(region, info, route, stream, entering, layout, non_token=frozenset(
     return crossings
 
 
-def _non_token_carried(g: nx.DiGraph, info: StreamInfo, route: Route) -> set[fx.Node]:
-    """Values carried from block to block at the route end that are not token streams.
-
-    A joint text stream has its own carried slot; when it happens to have as many tokens
-    as the image stream, its shape alone would make it look like a stream to scatter.
-    """
-    if route.end < info.depth and not _ends_where_stream_changes(info, route):
-        end = info.blocks[route.end]
-        slots = input_slots(end.node)
-        carried = set(info.carried.get(end.list_path, {}).values())
-        family = _family_slots(g, info, end)
-        return {slots[k] for k in carried - family if k in slots}
-    last = info.blocks[route.end - 1]
-    outs = output_slots(last.node)
-    family = _family_slots(g, info, last)
-    carried = info.carried.get(last.list_path, {})
-    return {outs[o] for o, i in carried.items() if i not in family and o in outs}
-
-
 def _holds_token_aligned(meta: Any, layout: StreamLayout) -> bool:
     return isinstance(meta, (tuple, list)) and any(_is_token_aligned(m, layout) for m in meta)
 
@@ -476,6 +322,20 @@ def _topo_index(node: fx.Node) -> int:
     return index[node]
 
 
+def _height_arguments(info, route: Route, layout: StreamLayout, strategy: Strategy) -> list:
+    heights = grid_arguments(info, route, layout.grid)
+    if heights and not strategy.needs_grid:
+        node, _ = heights[0]
+        h, w = layout.grid
+        raise SelectionError(
+            f"block {node.target[len('model.') :]} receives the patch grid height={h} and "
+            f"width={w} as numbers and reshapes its {h * w} tokens to that grid, so it cannot "
+            f"run on a random subset; use selection='rows', which keeps whole rows and tells "
+            "the blocks the kept row count."
+        )
+    return heights
+
+
 def plan_route(
     gm: fx.GraphModule,
     info: StreamInfo,
@@ -501,8 +361,8 @@ def plan_route(
     """
     gm.graph.__dict__.pop("_tread_index", None)
     g = graph_to_networkx(gm.graph)
-    _check_one_stream_length(info, route)
-    _check_no_token_tables_inside(gm, info, route)
+    check_one_stream_length(info, route)
+    check_no_token_tables_inside(gm, info, route)
     region, stream_start, stream_end = _region(g, info, route)
     meta = stream_start.meta["tread_meta"]
     layout = StreamLayout(
@@ -510,12 +370,12 @@ def plan_route(
         info.token_dim,
         meta.shape[info.batch_dim],
         meta.shape[info.token_dim],
-        _stream_prefix(g, info, info.blocks[route.start]),
+        stream_prefix(g, info, info.blocks[route.start]),
         grid if meta.shape[info.token_dim] == info.num_tokens else None,
     )
     start = info.blocks[route.start]
     entering = _entering(g, (start, stream_start), region, info, layout, strict)
-    non_token = _non_token_carried(g, info, route)
+    non_token = non_token_carried(g, info, route)
     leaving = _leaving(region, info, route, (stream_start, stream_end), entering, layout, non_token)
     units = strategy.units(layout.num_tokens - layout.prefix, grid)
     keep = kept_units(units, route.rate)
@@ -524,6 +384,7 @@ def plan_route(
             f"route ({route.start}, {route.end}) at rate {route.rate} keeps {keep} of {units} "
             f"selectable units ({strategy.name}); lower the rate so at least one is kept."
         )
+    heights = _height_arguments(info, route, layout, strategy)
     per_unit = (layout.num_tokens - layout.prefix) // units
     end_block = info.blocks[route.end] if route.end < info.depth else None
     return RoutePlan(
@@ -541,4 +402,5 @@ def plan_route(
         keep,
         layout.prefix + keep * per_unit,
         any(c.shares_selection for c in entering),
+        heights,
     )

@@ -143,7 +143,18 @@ def rewrite_route(
     for crossing in plan.leaving:
         if crossing.action == "scatter":
             _scatter(graph, crossing, idx, plan, reinsert, embedded)
+    for node, key in plan.height_args:  # blocks told the grid: they now see keep_units rows
+        _set_argument(node, key, plan.keep_units)
     return idx
+
+
+def _set_argument(node: fx.Node, key: tuple, value: Any) -> None:
+    if key[0] == "arg":
+        args = list(node.args)
+        args[key[1]] = value
+        node.args = tuple(args)
+    else:
+        node.kwargs = {**node.kwargs, key[1]: value}
 
 
 def _wrap_marked_blocks(graph: fx.Graph) -> None:

@@ -82,6 +82,8 @@ def find_grid(model: nn.Module, num_tokens: int) -> tuple[int, int] | None:
             h, w, p = (getattr(module, k, None) for k in ("height", "width", "patch_size"))
         if all(isinstance(v, int) for v in (h, w, p)) and (h // p) * (w // p) == num_tokens:
             return h // p, w // p
+        if all(isinstance(v, int) for v in (h, w, p)) and h * w == num_tokens:
+            return h, w  # diffusers' PatchEmbed stores height/width already in patches
     return None
 
 
