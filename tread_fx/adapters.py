@@ -3,22 +3,31 @@
 The plan pass classifies every value that enters a routed region. The token stream and
 values that are clearly versions of it are gathered automatically. Everything else is asked
 of this registry, in order: the first adapter whose ``matches`` accepts the value decides.
-An adapter is keyed on what the block receives — the argument name, the block class, the
-value's shape relative to the stream — never on the model's name.
+An adapter is keyed on what the block receives — the argument name (positional arguments
+are named by the block's signature), the block class, the value's shape relative to the
+stream — never on the model's name. User adapters are consulted before the built-in ones.
 
 An adapter's ``action`` is ``"gather"`` (keep the same tokens along the stream's token dim),
-``"pass"`` (leave untouched), or a function ``fn(value, kept_idx, info) -> value`` that the
-rewrite pass inserts into the graph (it runs on every step, so it must be pure tensor code).
+``"pass"`` (leave untouched), or a function ``fn(value, kept_idx, **layout, **options)``
+that the rewrite pass inserts into the graph (it runs on every step, so it must be pure
+tensor code); ``options(side)`` adds keyword arguments decided at plan time, and
+``shares_selection=True`` makes the route's selection the same for every sample.
+
+Built-in rules, in the order they are consulted (each ``doc`` says what it assumes):
+``conditioning-by-name``, ``rope-timm-eva``, ``rope-per-sample``, ``rope-batch-shared``,
+``attention-mask``, ``attention-mask-shared``, ``position-ids``, ``position-ids-shared``,
+``stream-derived``, ``residual``.
 
 Example:
     >>> import tread_fx
-    >>> from tread_fx.adapters import Adapter, register_adapter
-    >>> _ = register_adapter(Adapter(
+    >>> from tread_fx.adapters import Adapter, register_adapter, unregister_adapter
+    >>> mine = register_adapter(Adapter(
     ...     name="my-pos-table",
-    ...     matches=lambda side: "my_pos" in side.arg_names,
+    ...     matches=lambda side: side.arg_names == {"my_pos"},
     ...     action="gather",
     ...     doc="my_pos is [B, N, d], one row per token.",
     ... ))
+    >>> unregister_adapter(mine)
 """
 
 from __future__ import annotations
@@ -128,8 +137,9 @@ def register_adapter(adapter: Adapter, *, first: bool = True) -> Adapter:
     """Register an adapter; by default it is consulted before the built-in ones.
 
     Example:
-        >>> from tread_fx.adapters import Adapter, register_adapter
+        >>> from tread_fx.adapters import Adapter, register_adapter, unregister_adapter
         >>> a = register_adapter(Adapter("ctx", lambda s: "ctx" in s.arg_names, "pass"))
+        >>> unregister_adapter(a)
     """
     if first:
         _ADAPTERS.insert(0, adapter)
