@@ -530,14 +530,18 @@ def _factories_take_proxies(tracer: ValueTracer) -> Iterator[None]:
     """Record ``torch.ones(b, n)`` with traced sizes as a graph call.
 
     torch's argument parser rejects proxies as varargs sizes before ``__torch_function__``
-    can see them (HunyuanVideo builds its mask with ``torch.ones(batch, seq_len)``).
+    can see them (HunyuanVideo builds its mask with ``torch.ones(batch, seq_len)``). Random
+    factories called by traced code are always graph calls, even with constant sizes, so a
+    draw is never baked into the graph as a constant.
     """
     originals = {name: getattr(torch, name) for name in _FACTORIES}
+    random = {torch.rand, torch.randn, torch.randint}  # never baked in as constants
 
     def wrap(fn):
         def factory(*args: Any, **kwargs: Any) -> Any:
             flat = pytree.tree_leaves((args, kwargs))
-            if tracer.running_eager or not any(isinstance(a, fx.Proxy) for a in flat):
+            traced = any(isinstance(a, fx.Proxy) for a in flat) or fn in random
+            if tracer.running_eager or not traced:
                 return fn(*args, **kwargs)
             return tracer.create_proxy("call_function", fn, args, kwargs)
 

@@ -167,3 +167,21 @@ def test_take_rows_keeps_lead_and_trail_rows_and_skips_prefix_tokens():
     per_sample = take_rows(table[None].expand(1, 10, 1), idx, dims=(1,), lead=2, skip=1,
                            trail=2, batch=0)  # fmt: skip
     assert torch.equal(per_sample[0], out)
+
+
+def test_random_draws_in_a_traced_forward_are_graph_calls_not_constants():
+    class Noisy(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(torch.nn.Linear(D, D) for _ in range(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = x + torch.randn(D)  # constant size: must still draw on every call
+            for block in self.blocks:
+                x = x + block(x)
+            return x
+
+    torch.manual_seed(0)
+    model = tread_fx.route(Noisy(), routes=[(1, 3)], rate=0.0, seed=0).train()
+    x = torch.zeros(2, N, D)
+    assert not torch.equal(model(x), model(x))
