@@ -180,6 +180,12 @@ def make_parser() -> argparse.ArgumentParser:
     a("--lr", type=float, default=3e-4), a("--weight-decay", type=float, default=0.0)
     a("--grad-clip", type=float, default=1.0, help="max grad norm (0: off)")
     a("--ema", type=float, default=0.999, help="EMA decay")
+    a(
+        "--ema-warmup",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="decay min(ema, (1 + step) / (10 + step)), so short runs get a useful EMA",
+    )
     a("--label-drop", type=float, default=0.1, help="label dropout for CFG")
     a("--cfg-scale", type=float, default=2.0, help="guidance scale for samples (1: off)")
     a("--sampler", choices=["euler", "heun"], default="heun")
@@ -189,6 +195,7 @@ def make_parser() -> argparse.ArgumentParser:
     a("--bf16", action="store_true", help="bfloat16 autocast")
     a("--compile", action="store_true", help="torch.compile the (routed) model")
     a("--seed", type=int, default=0), a("--device", help="default: cuda if available")
+    a("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     a("--out", default="runs/train"), a("--resume", help="checkpoint or run directory")
     a("--log-every", type=int, default=50), a("--eval-every", type=int, default=200)
     a("--save-every", type=int, default=500), a("--sample-every", type=int, default=0)
@@ -227,6 +234,8 @@ def train(args: argparse.Namespace) -> dict:
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     check_args(args, world)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     cuda = torch.cuda.is_available() if args.device is None else args.device.startswith("cuda")
     device = torch.device(
         f"cuda:{local_rank}" if cuda and world > 1 else args.device or ("cuda" if cuda else "cpu")
@@ -371,7 +380,8 @@ def train(args: argparse.Namespace) -> dict:
         if args.grad_clip > 0:
             nn.utils.clip_grad_norm_(core.parameters(), args.grad_clip)
         opt.step()
-        diffusion.update_ema(ema, core, args.ema)
+        decay = diffusion.warmup_ema_decay(args.ema, step) if args.ema_warmup else args.ema
+        diffusion.update_ema(ema, core, decay)
         step += 1
         train_time += time.perf_counter() - t0
         loss_sum, loss_count, final_loss = loss_sum + mean_loss, loss_count + 1, mean_loss

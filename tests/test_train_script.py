@@ -22,7 +22,7 @@ TINY += ["--num-samples", "4", "--sample-steps", "2"]
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, str(EXAMPLES / "train.py"), *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
 
