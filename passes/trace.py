@@ -43,6 +43,11 @@ from torch.fx.proxy import Attribute
 from torch.utils import _pytree as pytree
 
 from tread_fx.errors import UntraceableModelError
+from tread_fx.passes.trace_support import (
+    factories_take_proxies,
+    name_placeholders,
+    report_grad_mode,
+)
 from tread_fx.registry import leaf_functions, leaf_modules
 
 __all__ = ["TracedCall", "DataDependentError", "FlatCall", "trace_call", "MODEL_PREFIX"]
@@ -507,73 +512,8 @@ def trace_call(model: nn.Module, args: tuple, kwargs: dict, leaf_paths: set[str]
                 raise _untraceable(model, DataDependentError(str(err), None, where)) from None
             auto_leaves[path[len(MODEL_PREFIX) :]] = f"{type(err).__name__}: {err}"
     gm = fx.GraphModule(wrapper, graph, class_name=type(model).__name__ + "Traced")
-    _name_placeholders(gm.graph, (args, kwargs), wrapper.tensor_positions)
+    name_placeholders(gm.graph, (args, kwargs), wrapper.tensor_positions)
     return TracedCall(gm, wrapper, in_spec, wrapper.tensor_positions, wrapper.out_spec, auto_leaves)
-
-
-def _name_placeholders(graph: fx.Graph, call: tuple, positions: tuple[int, ...]) -> None:
-    """Record each tensor input's argument name (``img_ids``, ``arg0``) in ``meta``."""
-    paths = [path for path, _ in pytree.tree_flatten_with_path(call)[0]]
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    for node, pos in zip(placeholders, positions):
-        keys = paths[pos][1:]  # drop the (args, kwargs) index
-        names = [str(getattr(k, "key", getattr(k, "idx", k))) for k in keys]
-        is_kwarg = paths[pos][0].idx == 1
-        node.meta["tread_input_name"] = names[0] if is_kwarg else f"arg{names[0]}"
-
-
-_FACTORIES = ("ones", "zeros", "empty", "full", "rand", "randn", "randint", "arange")
-
-
-@contextlib.contextmanager
-def _factories_take_proxies(tracer: ValueTracer) -> Iterator[None]:
-    """Record ``torch.ones(b, n)`` with traced sizes as a graph call.
-
-    torch's argument parser rejects proxies as varargs sizes before ``__torch_function__``
-    can see them (HunyuanVideo builds its mask with ``torch.ones(batch, seq_len)``). Random
-    factories called by traced code are always graph calls, even with constant sizes, so a
-    draw is never baked into the graph as a constant.
-    """
-    originals = {name: getattr(torch, name) for name in _FACTORIES}
-    random = {torch.rand, torch.randn, torch.randint}  # never baked in as constants
-
-    def wrap(fn):
-        def factory(*args: Any, **kwargs: Any) -> Any:
-            flat = pytree.tree_leaves((args, kwargs))
-            traced = any(isinstance(a, fx.Proxy) for a in flat) or fn in random
-            if tracer.running_eager or not traced:
-                return fn(*args, **kwargs)
-            return tracer.create_proxy("call_function", fn, args, kwargs)
-
-        return factory
-
-    try:
-        for name, fn in originals.items():
-            setattr(torch, name, wrap(fn))
-        yield
-    finally:
-        for name, fn in originals.items():
-            setattr(torch, name, fn)
-
-
-@contextlib.contextmanager
-def _report_grad_mode(tracer: ValueTracer, enabled: bool) -> Iterator[None]:
-    """Let traced code see the caller's grad mode although the trace runs without grad.
-
-    diffusers calls its blocks through gradient checkpointing only under
-    ``torch.is_grad_enabled() and self.gradient_checkpointing``; the trace must take that
-    branch when the training call would. Eager code (leaves, torch internals) sees the truth.
-    """
-    original = torch.is_grad_enabled
-
-    def reported() -> bool:
-        return original() if tracer.running_eager else enabled
-
-    torch.is_grad_enabled = reported
-    try:
-        yield
-    finally:
-        torch.is_grad_enabled = original
 
 
 def _trace_restoring_state(
@@ -586,8 +526,8 @@ def _trace_restoring_state(
         with (
             torch.random.fork_rng(devices=devices),
             torch.no_grad(),
-            _report_grad_mode(tracer, grad_mode),
-            _factories_take_proxies(tracer),
+            report_grad_mode(tracer, grad_mode),
+            factories_take_proxies(tracer),
             _refuse_python_random(tracer),
             _checkpoint_as_plain_call(tracer, model),
         ):
