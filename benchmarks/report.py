@@ -10,13 +10,22 @@ Example:
 
 from __future__ import annotations
 
+import argparse
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
 from benchmarks.measure import CLOCKS, VARIANTS, median, paired_ratio
 
-__all__ = ["summarise_mode", "evaluate_targets", "to_markdown", "write_outputs", "TARGETS"]
+__all__ = [
+    "summarise_mode",
+    "evaluate_targets",
+    "to_markdown",
+    "write_outputs",
+    "resummarise",
+    "TARGETS",
+]
 
 #: The issue's targets (CPU, S/2 size); checked on every model and mode they apply to.
 TARGETS = {
@@ -32,6 +41,14 @@ _CLOCK_TEXT = {
 }
 #: The paper's throughput (one A100, batch 64, DiT-XL/2), for the GPU table.
 PAPER_A100 = {"route() it/s": 7.10, "unrouted it/s": 4.30}
+
+
+def _quartiles(values: list[float]) -> list[float]:
+    """First and third quartile (both the value itself for a single round)."""
+    if len(values) < 2:
+        return [values[0], values[0]]
+    q1, _, q3 = statistics.quantiles(values, n=4)
+    return [q1, q3]
 
 
 def summarise_mode(
@@ -58,6 +75,8 @@ def summarise_mode(
         "speedup_hand": paired_ratio(u, h),
         "route_vs_hand": paired_ratio(r, h),
     }
+    summary["speedup_route_iqr"] = _quartiles([a / b for a, b in zip(u, r)])
+    summary["route_vs_hand_iqr"] = _quartiles([a / b for a, b in zip(r, h)])
     summary["efficiency_route"] = summary["speedup_route"] * flop_ratio
     summary["efficiency_hand"] = summary["speedup_hand"] * summary["flop_ratio_hand"]
     if memory:
@@ -129,11 +148,16 @@ def _f(value: Any, digits: int = 3) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}"
 
 
+def _iqr(s: dict[str, Any]) -> str:
+    q = s.get("route_vs_hand_iqr")
+    return f" ({q[0]:.3f}-{q[1]:.3f})" if q else ""
+
+
 def _main_table(results: dict[str, Any], clock: str) -> list[str]:
     head = (
         "| model | mode | batch | unrouted s/step | route() s/step | hand-written s/step "
         "| FLOP ratio | FLOP-predicted speed-up | measured speed-up route() | measured speed-up "
-        "hand | efficiency route() | efficiency hand | route() / hand time | memory ratio "
+        "hand | efficiency route() | efficiency hand | route() / hand time (IQR) | memory ratio "
         "route() | memory ratio hand |"
     )
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
@@ -146,7 +170,7 @@ def _main_table(results: dict[str, Any], clock: str) -> list[str]:
                 f"{_f(m['route()'])} | {_f(m['hand-written'])} | {_f(s['flop_ratio'])} | "
                 f"{_f(s['predicted_speedup'])} | {_f(s['speedup_route'])} | "
                 f"{_f(s['speedup_hand'])} | {_f(s['efficiency_route'])} | "
-                f"{_f(s['efficiency_hand'])} | {_f(s['route_vs_hand'])} | "
+                f"{_f(s['efficiency_hand'])} | {_f(s['route_vs_hand'])}{_iqr(s)} | "
                 f"{_f(s.get('memory_ratio_route'))} | {_f(s.get('memory_ratio_hand'))} |"
             )
     return lines
@@ -237,3 +261,35 @@ def write_outputs(results: dict[str, Any], out: str | Path) -> tuple[Path, Path]
     json_path.write_text(json.dumps(results, indent=2) + "\n")
     md_path.write_text(to_markdown(results))
     return json_path, md_path
+
+
+def resummarise(results: dict[str, Any]) -> dict[str, Any]:
+    """Recompute every summary and target from the raw per-round times kept in the results."""
+    for entry in results["models"]:
+        for mode, by_clock in entry["modes"].items():
+            kept = next(iter(by_clock.values()))
+            entry["modes"][mode] = {
+                clock: summarise_mode(
+                    {v: entry["times_s"][clock][f"{mode}/{v}"] for v in VARIANTS},
+                    kept.get("first_call_s", {}),
+                    entry["flops"],
+                    kept.get("memory_bytes"),
+                )
+                for clock in CLOCKS
+            }
+    results["targets"] = evaluate_targets(results)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m benchmarks.report RESULTS.json``: re-render the markdown from the raw times."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.report", description=main.__doc__)
+    parser.add_argument("results", help="a JSON file written by benchmarks.step_time")
+    path = Path(parser.parse_args(argv).results)
+    json_path, md_path = write_outputs(resummarise(json.loads(path.read_text())), path)
+    print(f"wrote {json_path} and {md_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

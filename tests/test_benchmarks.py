@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import measure, step_time  # noqa: E402
+from benchmarks import measure, report, step_time  # noqa: E402
 from benchmarks.handwritten import forward_for  # noqa: E402
 from benchmarks.specs import SPECS, get_spec, make_inputs, model_available  # noqa: E402
 
@@ -106,6 +106,11 @@ def test_entry_point_on_tiny_models_writes_json_and_markdown(tmp_path):
             "--warmup", "1", "--out", str(out), "--quiet"]  # fmt: skip
     assert step_time.main(argv) == 0
     _check_results(out, models, ["eager"])
+    before = json.loads(out.with_suffix(".json").read_text())
+    assert report.main([str(out.with_suffix(".json"))]) == 0  # re-rendered from the raw times
+    _check_results(out, models, ["eager"])
+    after = json.loads(out.with_suffix(".json").read_text())
+    assert after["models"] == before["models"] and after["targets"] == before["targets"]
 
 
 def test_presets_fill_unset_options_and_keep_explicit_ones():
