@@ -140,3 +140,18 @@ def test_scatter_re_enters_contiguous_unless_every_token_is_written_back():
     every = torch.arange(6).expand(2, 6)
     kept_all = tread_fx.ops.scatter_tokens(base, base.clone(), every)
     assert kept_all.stride() == base.stride() and torch.equal(kept_all, base)
+
+
+def test_gpu_preset_code_path_runs_on_cpu_with_tiny_sizes(tmp_path):
+    out = tmp_path / "gpu"
+    argv = ["--preset", "gpu", "--device", "cpu", "--tiny", "--modes", "eager", "--batch", "4",
+            "--first-call-batch", "2", "--repeats", "1", "--warmup", "1", "--out", str(out),
+            "--quiet"]  # fmt: skip
+    assert step_time.main(argv) == 0
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert data["meta"]["dtype"] == "bf16" and data["meta"]["clock"] == "wall"
+    assert [e["model"] for e in data["models"]] == ["dit-xl2"]
+    assert "Paper (one A100" not in out.with_suffix(".md").read_text()  # CUDA runs only
+    data["meta"]["device"] = "cuda"  # the CUDA-only lines of the report
+    md = report.to_markdown(data)
+    assert "Paper (one A100, DiT-XL/2, batch 64): TREAD 7.1 it/s" in md and "it/s vs unrouted" in md
