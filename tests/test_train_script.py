@@ -139,3 +139,15 @@ def test_build_model_defaults_and_errors():
     assert train.num_blocks(model) == 8 and model.patch_size == 2
     with pytest.raises(train.UsageError, match="unknown model"):
         train.build_model("resnet50")
+
+
+def test_edm_learned_sigma_and_time_budget(tmp_path):
+    out = tmp_path / "edm"
+    argv = [*TINY, "--routes", "none", "--objective", "edm", "--learn-sigma", "--sampler",
+            "euler", "--steps", "100000", "--time-budget", "0.5", "--out", str(out)]  # fmt: skip
+    assert train.main(argv) == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    last = records[-1]
+    assert 1 <= last["step"] < 100000 and last["time_s"] >= 0.5
+    assert last["val_loss"] is not None  # the last step is always evaluated
+    assert (out / "checkpoints" / f"step_{last['step']:07d}" / "model.safetensors").is_file()
