@@ -23,6 +23,7 @@ a non-finite loss stops it (exit code 1) naming the step.
 from __future__ import annotations
 
 import argparse
+import importlib
 import inspect
 import json
 import math
@@ -73,7 +74,7 @@ class TrainingError(Exception):
 def _import_family(family: str):
     module_name, dict_name, class_name, defaults = FAMILIES[family]
     try:
-        module = __import__(module_name, fromlist=["_"])
+        module = importlib.import_module(module_name)
     except ImportError as err:
         raise UsageError(
             f"model family {family!r} is not available ({module_name}: {err})"
@@ -96,9 +97,7 @@ def build_model(name: str, **overrides) -> nn.Module:
     key = name.lower()
     if key in FAMILIES:
         module, _, class_name, defaults = _import_family(key)
-        factory = getattr(module, class_name) if class_name else None
-        if factory is None:  # no class name known: the smallest factory of the family
-            factory = next(iter(getattr(module, FAMILIES[key][1]).values()))
+        factory = getattr(module, class_name)
         kwargs = {**SMALL, **defaults, **kwargs}
     else:
         factory = None
@@ -252,7 +251,7 @@ def train(args: argparse.Namespace) -> dict:
     images, labels, num_classes = dataset
     val_gen = torch.Generator().manual_seed(1234)  # the same held-out set for every run
     perm = torch.randperm(images.shape[0], generator=val_gen)
-    n_val = min(args.val_size, images.shape[0] // 10)
+    n_val = max(1, min(args.val_size, images.shape[0] // 10))
     val_x, val_y = images[perm[:n_val]].to(device), labels[perm[:n_val]].to(device)
     train_x, train_y = images[perm[n_val:]].to(device), labels[perm[n_val:]].to(device)
     objective = diffusion.make_objective(args.objective)
