@@ -151,3 +151,29 @@ def test_edm_learned_sigma_and_time_budget(tmp_path):
     assert 1 <= last["step"] < 100000 and last["time_s"] >= 0.5
     assert last["val_loss"] is not None  # the last step is always evaluated
     assert (out / "checkpoints" / f"step_{last['step']:07d}" / "model.safetensors").is_file()
+
+
+def test_rank_shards_partition_the_global_batch():
+    tu = importlib.import_module("train_utils")
+    single = tu.Shards(100, 8, 0, 1, seed=3)
+    ranks = [tu.Shards(100, 8, r, 2, seed=3) for r in range(2)]
+    for step in (0, 5, 12, 13, 40):  # 12 batches per epoch: crosses epoch boundaries
+        whole = single.indices(step)
+        parts = [s.indices(step) for s in ranks]
+        assert sorted(torch.cat(parts).tolist()) == sorted(whole.tolist())
+        assert len(set(whole.tolist())) == 8
+    assert not torch.equal(single.indices(0), single.indices(12))  # a new permutation per epoch
+    with pytest.raises(ValueError, match="fewer than --batch-size"):
+        tu.Shards(4, 8, 0, 1, seed=0)
+
+
+@pytest.mark.parametrize("channels", [1, 3, 4])
+def test_sample_grid_png(tmp_path, channels):
+    from PIL import Image
+
+    tu = importlib.import_module("train_utils")
+    images = torch.rand(7, channels, 8, 8) * 2 - 1
+    tu.save_grid(images, tmp_path / "g.png", nrow=3)
+    with Image.open(tmp_path / "g.png") as img:
+        assert img.size == (3 * 34 + 2, 3 * 34 + 2)  # 8 px upscaled x4, 2 px borders
+        assert img.mode == ("L" if channels == 1 else "RGB")
