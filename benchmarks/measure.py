@@ -39,6 +39,7 @@ __all__ = [
     "build_setup",
     "time_interleaved",
     "count_flops",
+    "time_optimizer_step",
     "saved_activation_bytes",
     "cuda_step_peak_bytes",
     "first_call_overhead",
@@ -227,6 +228,12 @@ def _timed(step: Callable[[], None], device: torch.device) -> tuple[float, float
     step()
     _sync(device)
     return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def time_optimizer_step(setup: Setup, device: torch.device, repeats: int = 3) -> dict[str, float]:
+    """Median time of the optimizer step alone (gradients as the last step left them)."""
+    runs = [_timed(setup.optimizer.step, device) for _ in range(repeats)]
+    return {clock: median([run[i] for run in runs]) for i, clock in enumerate(CLOCKS)}
 
 
 def count_flops(

@@ -56,11 +56,14 @@ def summarise_mode(
     first: dict[str, float],
     flops: dict[str, int],
     memory: dict[str, int] | None = None,
+    optimizer_s: float | None = None,
 ) -> dict[str, Any]:
     """Ratios of one mode: speed-ups, FLOP prediction, efficiency, route() vs hand, memory.
 
     Speed-ups and the route()/hand-written ratio are medians of per-round ratios (see
     :func:`benchmarks.measure.paired_ratio`); efficiency = measured speed-up / (1 / FLOP ratio).
+    With ``optimizer_s`` (the AdamW step alone, which routing does not shrink and FLOPs do not
+    count) also the efficiency of forward + backward alone, from the median step times.
     """
     u, r, h = (times[v] for v in VARIANTS)
     flop_ratio = flops["route()"] / flops["unrouted"]
@@ -79,6 +82,11 @@ def summarise_mode(
     summary["route_vs_hand_iqr"] = _quartiles([a / b for a, b in zip(r, h)])
     summary["efficiency_route"] = summary["speedup_route"] * flop_ratio
     summary["efficiency_hand"] = summary["speedup_hand"] * summary["flop_ratio_hand"]
+    if optimizer_s is not None:
+        m = summary["median_s"]
+        speedup = (m["unrouted"] - optimizer_s) / (m["route()"] - optimizer_s)
+        summary["optimizer_s"] = optimizer_s
+        summary["efficiency_route_fwd_bwd"] = speedup * flop_ratio
     if memory:
         summary["memory_bytes"] = dict(memory)
         summary["memory_ratio_route"] = memory["route()"] / memory["unrouted"]
@@ -158,7 +166,7 @@ def _main_table(results: dict[str, Any], clock: str) -> list[str]:
         "| model | mode | batch | unrouted s/step | route() s/step | hand-written s/step "
         "| FLOP ratio | FLOP-predicted speed-up | measured speed-up route() | measured speed-up "
         "hand | efficiency route() | efficiency hand | route() / hand time (IQR) | memory ratio "
-        "route() | memory ratio hand |"
+        "route() | memory ratio hand | optimizer s/step | efficiency route() fwd+bwd only |"
     )
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for e in results["models"]:
@@ -171,7 +179,8 @@ def _main_table(results: dict[str, Any], clock: str) -> list[str]:
                 f"{_f(s['predicted_speedup'])} | {_f(s['speedup_route'])} | "
                 f"{_f(s['speedup_hand'])} | {_f(s['efficiency_route'])} | "
                 f"{_f(s['efficiency_hand'])} | {_f(s['route_vs_hand'])}{_iqr(s)} | "
-                f"{_f(s.get('memory_ratio_route'))} | {_f(s.get('memory_ratio_hand'))} |"
+                f"{_f(s.get('memory_ratio_route'))} | {_f(s.get('memory_ratio_hand'))} | "
+                f"{_f(s.get('optimizer_s'))} | {_f(s.get('efficiency_route_fwd_bwd'))} |"
             )
     return lines
 
@@ -274,6 +283,7 @@ def resummarise(results: dict[str, Any]) -> dict[str, Any]:
                     kept.get("first_call_s", {}),
                     entry["flops"],
                     kept.get("memory_bytes"),
+                    entry.get("optimizer_s", {}).get(mode, {}).get(clock),
                 )
                 for clock in CLOCKS
             }

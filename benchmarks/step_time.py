@@ -200,6 +200,7 @@ def run_model(
     deadline = time.monotonic() + args.model_budget if args.model_budget else None
     named = {f"{mode}/{name}": step for (mode, name), step in steps.items()}
     times, first = measure.time_interleaved(named, args.warmup, args.repeats, device, deadline, log)
+    optimizer = {s.mode: measure.time_optimizer_step(s, device) for s in setups}
     memory = _memory(setups, steps, device, autocast)
     model = setups[0].model
     entry: dict[str, Any] = {
@@ -207,14 +208,14 @@ def run_model(
         "selection": spec.selection, "batch": batch, "note": spec.note,
         "params": sum(p.numel() for p in model.parameters()),
         "tokens": model.grid_size[0] * model.grid_size[1], "kept": spec.kept_tokens(model),
-        "flops": flops, "times_s": times, "modes": {},
+        "flops": flops, "times_s": times, "optimizer_s": optimizer, "modes": {},
     }  # fmt: skip
     for mode in modes:
         mode_first = {v: first[f"{mode}/{v}"] for v in measure.VARIANTS if f"{mode}/{v}" in first}
         entry["modes"][mode] = {
             clock: summarise_mode(
                 {v: times[clock][f"{mode}/{v}"] for v in measure.VARIANTS},
-                mode_first, flops, memory.get(mode),
+                mode_first, flops, memory.get(mode), optimizer[mode][clock],
             )
             for clock in measure.CLOCKS
         }  # fmt: skip
@@ -254,6 +255,9 @@ def _method_notes(device: torch.device) -> list[str]:
         "(route(compile=True) for route()); the optimizer step stays eager",
         "hand-written: benchmarks/handwritten.py, sorted random ids drawn per step, gather "
         "before block start, scatter into the route-start stream after block end-1",
+        "optimizer s/step: the AdamW step alone (median of 3, after the rounds); routing does "
+        "not shrink it and FLOPs do not count it, so 'efficiency route() fwd+bwd only' = "
+        "(unrouted - optimizer) / (route() - optimizer) x FLOP ratio, from the median times",
         "first call: fresh model, one untimed plain training forward, then the plain training "
         "forward (median of 3), then route() and the first and second routed training calls",
     ]

@@ -88,6 +88,7 @@ def _check_results(out: Path, models: list[str], modes: list[str]) -> None:
                 for key in ("flop_ratio", "speedup_route", "efficiency_route", "route_vs_hand"):
                     assert s[key] > 0
                 assert s["flop_ratio"] == pytest.approx(s["flop_ratio_hand"])
+                assert s["optimizer_s"] > 0 and s["efficiency_route_fwd_bwd"] != 0
     first = data["first_call"]
     assert set(first["cpu"]) == {"plain_s", "first_routed_s", "second_routed_s", "overhead_s",
                                  "pipeline_s"}  # fmt: skip
