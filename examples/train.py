@@ -156,6 +156,22 @@ def parse_routes(text: str, depth: int) -> list[tuple[int, int]]:
     return routes
 
 
+def training_loss(args, objective, model, core, x0, y, gen, routed: bool) -> torch.Tensor:
+    """The step's loss: full-token, or TREAD's masked/reconstruction variants."""
+    if not routed or (args.loss == "full" and not args.reconstruction_weight):
+        return objective.loss(model, x0, y, generator=gen)
+    import tread_fx
+
+    per_pixel = objective.loss(model, x0, y, generator=gen, reduction="none")
+    return tread_fx.losses.tread_loss(
+        per_pixel,
+        tread_fx.route_info(core),
+        core.patch_size,
+        mode=args.loss,
+        reconstruction_weight=args.reconstruction_weight,
+    )
+
+
 def make_parser() -> argparse.ArgumentParser:
     """The command-line interface."""
 
@@ -175,6 +191,17 @@ def make_parser() -> argparse.ArgumentParser:
     a("--routes", default="auto", help="none | auto | START:END[,START:END] (half-open)")
     a("--rate", type=float, default=0.5, help="fraction of tokens routed around")
     a("--selection", default="random", help="random | rows (passed to tread_fx.route)")
+    a("--loss", choices=["full", "masked"], default="full", help="full: all tokens (authors' "
+      "final code); masked: per route, the tokens it processed (first release)")  # fmt: skip
+    a("--reconstruction-weight", type=float, default=0.0,
+      help="MaskDiT-style loss on routed-around tokens (e.g. 0.1)")  # fmt: skip
+    a("--reinsert", choices=["scatter", "blend"], default="scatter",
+      help="routed-around tokens re-enter unchanged, or blended with the embedded input",
+      )  # fmt: skip
+    a("--blend", type=float, nargs=2, default=(0.5, 0.5), metavar=("START", "EMBEDDED"),
+      help="blend weights of the route-start value and the embedded input")  # fmt: skip
+    a("--fp32-reentry", action="store_true", help="first block after a route outside autocast")
+    a("--routing-probability", type=float, default=1.0, help="route on this fraction of steps")
     a("--batch-size", type=int, default=64, help="global batch (split over ranks)")
     a("--lr", type=float, default=3e-4), a("--weight-decay", type=float, default=0.0)
     a("--grad-clip", type=float, default=1.0, help="max grad norm (0: off)")
@@ -222,6 +249,8 @@ def check_args(args: argparse.Namespace, world: int) -> None:
         (min(args.log_every, args.eval_every) >= 1, "--log-every/--eval-every must be >= 1"),
         (args.sample_steps >= 1 and args.num_samples >= 1, "--sample-steps/--num-samples >= 1"),
         (args.val_size >= 1, "--val-size must be >= 1"),
+        (0 < args.routing_probability <= 1, "--routing-probability must be in (0, 1]"),
+        (args.reconstruction_weight >= 0, "--reconstruction-weight must be >= 0"),
     ]
     for ok, message in checks:
         if not ok:
@@ -280,6 +309,12 @@ def train(args: argparse.Namespace) -> dict:
         if not hasattr(tread_fx, "route"):
             raise UsageError("this tread_fx has no route(); pass --routes none")
         extra = {} if args.selection == "random" else {"selection": args.selection}
+        if args.reinsert == "blend":
+            extra["reinsert"] = tread_fx.Reinsert("blend", *args.blend)
+        if args.fp32_reentry:
+            extra["fp32_reentry"] = True
+        if args.routing_probability != 1.0:
+            extra["routing_probability"] = args.routing_probability
         try:
             tread_fx.route(
                 core, routes=routes, rate=args.rate, seed=None, compile=args.compile, **extra
@@ -368,7 +403,7 @@ def train(args: argparse.Namespace) -> dict:
         idx = shards.indices(step).to(device)
         x0, y = train_x[idx], train_y[idx]
         with autocast:
-            loss = objective.loss(model, x0, y, generator=gen)
+            loss = training_loss(args, objective, model, core, x0, y, gen, bool(routes))
         over = args.time_budget is not None and train_time >= args.time_budget
         mean_loss, flag = tu.all_reduce_floats([loss.item(), float(over)], device, world)
         mean_loss /= world
