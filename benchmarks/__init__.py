@@ -8,6 +8,7 @@ Modules:
     measure: step timing (interleaved), FLOP counting, activation memory, first-call overhead.
     report: the JSON file, the markdown table and the targets.
     step_time: the command line.
+    block_time: forward + backward time of one block of each backbone.
 """
 
 __all__: list[str] = []
