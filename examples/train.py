@@ -221,7 +221,7 @@ def make_parser() -> argparse.ArgumentParser:
     a("--bf16", action="store_true", help="bfloat16 autocast")
     a("--compile", action="store_true", help="torch.compile the (routed) model")
     a("--seed", type=int, default=0), a("--device", help="default: cuda if available")
-    a("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    a("--threads", type=int, help="torch CPU threads (default: torch's choice; 1 on <= 2 cores)")
     a("--out", default="runs/train"), a("--resume", help="checkpoint or run directory")
     a("--log-every", type=int, default=50), a("--eval-every", type=int, default=200)
     a("--save-every", type=int, default=500), a("--sample-every", type=int, default=0)
@@ -262,8 +262,9 @@ def train(args: argparse.Namespace) -> dict:
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     check_args(args, world)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    if args.threads or (os.cpu_count() or 1) <= 2:
+        # Two threads on two cores collapse (10x and worse) as soon as anything else runs.
+        torch.set_num_threads(args.threads or 1)
     cuda = torch.cuda.is_available() if args.device is None else args.device.startswith("cuda")
     device = torch.device(
         f"cuda:{local_rank}" if cuda and world > 1 else args.device or ("cuda" if cuda else "cpu")
@@ -366,7 +367,7 @@ def train(args: argparse.Namespace) -> dict:
     say(
         f"{args.model}: {depth} blocks, {n_params / 1e6:.2f}M params, routes {routes or 'none'}"
         f" rate {args.rate if routes else 0}; data {args.data} {tuple(train_x.shape)}; "
-        f"{world} process(es) on {device}"
+        f"{world} process(es) on {device}, {torch.get_num_threads()} thread(s)"
     )
 
     def evaluate() -> tuple[float, float]:
@@ -523,6 +524,7 @@ def final_fid(
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; returns the exit code."""
     args = make_parser().parse_args(argv)
+    threads = torch.get_num_threads()
     try:
         train(args)
     except (UsageError, data_lib.DataError, TreadFxError) as err:
@@ -532,6 +534,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"train.py: error: {err}", file=sys.stderr)
         return 1
     finally:
+        torch.set_num_threads(threads)  # main() may run in-process (tests, notebooks)
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
