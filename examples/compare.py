@@ -136,6 +136,21 @@ def _plot(runs: dict[str, list[dict]], out: Path) -> list[str]:
     return names
 
 
+def _per_seed_table(runs: dict[str, list[dict]]) -> list[str]:
+    """Per seed: steps and validation loss of both arms at that seed's common wall-clock."""
+    lines = ["", "| seed | arm | steps | steps/s | val loss at the seed's common time |",
+             "|---|---|---|---|---|"]  # fmt: skip
+    for i, base in enumerate(runs["baseline"]):
+        pair = (base, runs["tread"][i])
+        common = min(r["time"][-1] for r in pair)
+        for arm, run in zip(ARMS, pair):
+            lines.append(
+                f"| {run['seed']} | {arm} | {int(run['step'][-1])} | {run['steps_per_s']:.3f} "
+                f"| {_at(run, 'time', common):.4f} @ {common:.0f}s |"
+            )
+    return lines
+
+
 def _saved_argv(out: Path) -> list[str]:
     path = out / "command.json"
     return json.loads(path.read_text())["argv"] if path.exists() else []
@@ -158,6 +173,7 @@ def write_report(out: Path, train_args: list[str], budget: float | None) -> Path
         "| " + " | ".join(header) + " |",
         "|" + "---|" * len(header),
         *("| " + " | ".join(str(row[h]) for h in header) + " |" for row in rows),
+        *_per_seed_table(runs),
         "",
         *(f"![{p}]({p})" for p in plots),
         "",
