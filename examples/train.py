@@ -203,7 +203,8 @@ def make_parser() -> argparse.ArgumentParser:
     a("--fp32-reentry", action="store_true", help="first block after a route outside autocast")
     a("--routing-probability", type=float, default=1.0, help="route on this fraction of steps")
     a("--batch-size", type=int, default=64, help="global batch (split over ranks)")
-    a("--lr", type=float, default=3e-4), a("--weight-decay", type=float, default=0.0)
+    a("--lr", type=float, default=1e-3, help="AdamW; ~1e-4 for reference-size models")
+    a("--weight-decay", type=float, default=0.0)
     a("--grad-clip", type=float, default=1.0, help="max grad norm (0: off)")
     a("--ema", type=float, default=0.999, help="EMA decay")
     a(
@@ -216,7 +217,7 @@ def make_parser() -> argparse.ArgumentParser:
     a("--cfg-scale", type=float, default=2.0, help="guidance scale for samples (1: off)")
     a("--sampler", choices=["euler", "heun"], default="heun")
     a("--sample-steps", type=int, default=32), a("--num-samples", type=int, default=100)
-    a("--steps", type=int, default=1000, help="total optimizer steps")
+    a("--steps", type=int, default=600, help="total optimizer steps")
     a("--time-budget", type=float, help="stop after this many training seconds")
     a("--bf16", action="store_true", help="bfloat16 autocast")
     a("--compile", action="store_true", help="torch.compile the (routed) model")
