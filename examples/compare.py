@@ -82,8 +82,9 @@ def _mean_std(values: list[float | None]) -> str:
     values = [v for v in values if v is not None]
     if not values:
         return "n/a"
-    std = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{statistics.mean(values):.4g} ± {std:.2g}"
+    if len(values) == 1:
+        return f"{values[0]:.4g} (1 seed)"
+    return f"{statistics.mean(values):.4g} ± {statistics.stdev(values):.2g}"
 
 
 def summarise(runs: dict[str, list[dict]]) -> list[dict]:
