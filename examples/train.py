@@ -481,7 +481,7 @@ def train(args: argparse.Namespace) -> dict:
         say(f"samples: {out / 'samples.png'}")
         if args.fid_samples:
             summary.update(
-                final_fid(
+                tu.final_fid(
                     args,
                     objective,
                     ema,
@@ -498,28 +498,6 @@ def train(args: argparse.Namespace) -> dict:
     if world > 1:
         dist.barrier()
     return summary
-
-
-def final_fid(
-    args, objective, ema, train_x, train_y, num_classes, shape, device, logger, step, say
-) -> dict:
-    """FID/KID of ``--fid-samples`` EMA samples against as many training images."""
-    import metrics
-
-    n = args.fid_samples
-    fake = tu.generate(objective, ema, n, num_classes, shape, args, device, 1).cpu()
-    pick = torch.randperm(train_x.shape[0], generator=torch.Generator().manual_seed(7))[:n]
-    real = train_x[pick].cpu()
-    net, acc = metrics.train_feature_net(
-        train_x.cpu(), train_y.cpu(), num_classes, name=args.data, cache_dir=args.cache_dir, log=say
-    )
-    result = metrics.fid_kid(real, fake, metrics.FeatureExtractor(net))
-    result.update(feature_net_accuracy=acc, num_samples=n)
-    if args.inception_fid:
-        result["inception_fid"] = metrics.inception_fid(real, fake)
-    logger.log({"event": "fid", "step": step, **result})
-    say("final: " + ", ".join(f"{k} {v:.4g}" for k, v in result.items() if v is not None))
-    return result
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from diffusion import sample
 
 __all__ = ["CSV_FIELDS", "Logger", "Shards", "all_reduce_floats", "gather_rng_states", "generate"]
-__all__ += ["ranks_in_sync", "save_grid"]
+__all__ += ["final_fid", "ranks_in_sync", "save_grid"]
 
 CSV_FIELDS = ("step", "time_s", "train_loss", "val_loss", "val_loss_ema", "steps_per_s", "lr")
 
@@ -140,3 +140,25 @@ def generate(objective, model, n: int, num_classes: int, shape, args, device, se
                 )
             )
     return torch.cat(out).float()
+
+
+def final_fid(
+    args, objective, ema, train_x, train_y, num_classes, shape, device, logger, step, say
+) -> dict:
+    """FID/KID of ``--fid-samples`` EMA samples against as many training images."""
+    import metrics
+
+    n = args.fid_samples
+    fake = generate(objective, ema, n, num_classes, shape, args, device, 1).cpu()
+    pick = torch.randperm(train_x.shape[0], generator=torch.Generator().manual_seed(7))[:n]
+    real = train_x[pick].cpu()
+    net, acc = metrics.train_feature_net(
+        train_x.cpu(), train_y.cpu(), num_classes, name=args.data, cache_dir=args.cache_dir, log=say
+    )
+    result = metrics.fid_kid(real, fake, metrics.FeatureExtractor(net))
+    result.update(feature_net_accuracy=acc, num_samples=n)
+    if args.inception_fid:
+        result["inception_fid"] = metrics.inception_fid(real, fake)
+    logger.log({"event": "fid", "step": step, **result})
+    say("final: " + ", ".join(f"{k} {v:.4g}" for k, v in result.items() if v is not None))
+    return result
