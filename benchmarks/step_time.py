@@ -16,6 +16,8 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import gc
 import os
 import platform
@@ -263,11 +265,23 @@ def _method_notes(device: torch.device) -> list[str]:
     ]
 
 
-def _release(device: torch.device) -> None:
-    """Free the finished model's memory before the next one is built."""
+def _release(device: torch.device, log: Callable[[str], None]) -> None:
+    """Free the finished model's memory (and compiled graphs) before the next one is built."""
+    torch._dynamo.reset()
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    with contextlib.suppress(OSError, AttributeError):  # glibc keeps freed heap otherwise
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    log(f"  released; resident memory now {_rss()}")
+
+
+def _rss() -> str:
+    with contextlib.suppress(OSError), open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return line.split(":", 1)[1].strip()
+    return "n/a"
 
 
 def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -293,7 +307,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict[st
         entry, skipped = run_model(spec, args, device, log)
         results["models"].append(entry)
         results["skipped"] += skipped
-        _release(device)
+        _release(device, log)
     results["first_call"] = _first_call(args, device, log)
     results["meta"]["load_end"] = _load()
     results["targets"] = evaluate_targets(results)
