@@ -24,7 +24,6 @@ import torch
 import torch.nn.functional as F
 from timm.layers import PatchEmbed
 from torch import Tensor, nn
-from torch.autograd.function import once_differentiable
 
 from tread_fx import register_leaf_function
 
@@ -49,51 +48,76 @@ __all__ = [
 ]
 
 
-class _SelectiveScanFn(torch.autograd.Function):
-    """``h_t = exp(delta_t A) h_{t-1} + du_t B_t``, ``y_t = h_t . C_t``; hand-written backward.
+@torch.library.custom_op("tread_fx::selective_scan_forward", mutates_args=())
+def _scan_forward(
+    delta: Tensor, du: Tensor, A: Tensor, B: Tensor, C: Tensor
+) -> tuple[Tensor, Tensor]:
+    """``h_t = exp(delta_t A) h_{t-1} + du_t B_t``, ``y_t = h_t . C_t``; returns ``(y, H)``.
 
     Time-major inputs: ``delta``, ``du`` [L, B, D]; ``A`` [D, N]; ``B``, ``C`` [L, B, N].
-    Each step works on one [B, D, N] state that stays in cache; only the states are stored
-    (for the backward), which is several times faster on CPU than autograd through the loop.
+    Each step works on one [B, D, N] state that stays in cache; the states ``H`` [L, B, D, N]
+    are returned for the hand-written backward, which is several times faster on CPU than
+    autograd through the loop. A custom op, so ``torch.compile`` calls it as one opaque kernel
+    instead of unrolling the loop.
     """
+    H = delta.new_empty(*delta.shape, A.shape[1])
+    y = delta.new_empty(*delta.shape, 1)
+    prev = None
+    for d_t, du_t, B_t, C_t, h_t, y_t in zip(*(x.unbind(0) for x in (delta, du, B, C, H, y))):
+        b_t = du_t.unsqueeze(-1) * B_t.unsqueeze(1)
+        if prev is None:
+            h_t.copy_(b_t)
+        else:
+            torch.addcmul(b_t, torch.exp(d_t.unsqueeze(-1) * A), prev, out=h_t)
+        torch.bmm(h_t, C_t.unsqueeze(-1), out=y_t)
+        prev = h_t
+    return y.squeeze(-1), H
 
-    @staticmethod
-    def forward(ctx, delta: Tensor, du: Tensor, A: Tensor, B: Tensor, C: Tensor) -> Tensor:
-        H = delta.new_empty(*delta.shape, A.shape[1])
-        y = delta.new_empty(*delta.shape, 1)
-        prev = None
-        for d_t, du_t, B_t, C_t, h_t, y_t in zip(*(x.unbind(0) for x in (delta, du, B, C, H, y))):
-            b_t = du_t.unsqueeze(-1) * B_t.unsqueeze(1)
-            if prev is None:
-                h_t.copy_(b_t)
-            else:
-                torch.addcmul(b_t, torch.exp(d_t.unsqueeze(-1) * A), prev, out=h_t)
-            torch.bmm(h_t, C_t.unsqueeze(-1), out=y_t)
-            prev = h_t
-        ctx.save_for_backward(delta, du, A, B, C, H)
-        return y.squeeze(-1)
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, gy: Tensor) -> tuple[Tensor, ...]:
-        delta, du, A, B, C, H = ctx.saved_tensors
-        d_delta, d_du = torch.zeros_like(delta), torch.empty_like(du).unsqueeze(-1)
-        dB, dC = torch.empty_like(B).unsqueeze(-1), torch.empty_like(C).unsqueeze(-1)
-        dA = torch.zeros_like(A)
-        gy = gy.unsqueeze(-1)
-        g = a_next = None  # g: gradient w.r.t. h_t, carried backwards through the decays
-        for t in reversed(range(delta.shape[0])):  # x[t]: a free view (no autograd in here)
-            outer = gy[t] * C[t].unsqueeze(1)
-            g = outer if g is None else torch.addcmul(outer, g, a_next)
-            torch.bmm(H[t].transpose(1, 2), gy[t], out=dC[t])
-            torch.bmm(g, B[t].unsqueeze(-1), out=d_du[t])
-            torch.bmm(g.transpose(1, 2), du[t].unsqueeze(-1), out=dB[t])
-            if t > 0:  # h_{-1} = 0: delta_0 and A get nothing from the first step
-                a_next = torch.exp(delta[t].unsqueeze(-1) * A)
-                s = g * H[t - 1] * a_next  # gradient w.r.t. delta_t * A
-                torch.sum(s * A, dim=-1, out=d_delta[t])
-                dA += torch.einsum("bdn,bd->dn", s, delta[t])
-        return d_delta, d_du.squeeze(-1), dA, dB.squeeze(-1), dC.squeeze(-1)
+@_scan_forward.register_fake
+def _(delta: Tensor, du: Tensor, A: Tensor, B: Tensor, C: Tensor) -> tuple[Tensor, Tensor]:
+    return delta.new_empty(delta.shape), delta.new_empty(*delta.shape, A.shape[1])
+
+
+@torch.library.custom_op("tread_fx::selective_scan_backward", mutates_args=())
+def _scan_backward(
+    gy: Tensor, delta: Tensor, du: Tensor, A: Tensor, B: Tensor, C: Tensor, H: Tensor
+) -> list[Tensor]:
+    """Gradients ``[d_delta, d_du, dA, dB, dC]`` of :func:`_scan_forward` from ``d loss / d y``."""
+    d_delta, d_du = torch.zeros_like(delta), torch.empty_like(du).unsqueeze(-1)
+    dB, dC = torch.empty_like(B).unsqueeze(-1), torch.empty_like(C).unsqueeze(-1)
+    dA = torch.zeros_like(A)
+    gy = gy.unsqueeze(-1)
+    g = a_next = None  # g: gradient w.r.t. h_t, carried backwards through the decays
+    for t in reversed(range(delta.shape[0])):  # x[t]: a free view (no autograd in here)
+        outer = gy[t] * C[t].unsqueeze(1)
+        g = outer if g is None else torch.addcmul(outer, g, a_next)
+        torch.bmm(H[t].transpose(1, 2), gy[t], out=dC[t])
+        torch.bmm(g, B[t].unsqueeze(-1), out=d_du[t])
+        torch.bmm(g.transpose(1, 2), du[t].unsqueeze(-1), out=dB[t])
+        if t > 0:  # h_{-1} = 0: delta_0 and A get nothing from the first step
+            a_next = torch.exp(delta[t].unsqueeze(-1) * A)
+            s = g * H[t - 1] * a_next  # gradient w.r.t. delta_t * A
+            torch.sum(s * A, dim=-1, out=d_delta[t])
+            dA += torch.einsum("bdn,bd->dn", s, delta[t])
+    return [d_delta, d_du.squeeze(-1), dA, dB.squeeze(-1), dC.squeeze(-1)]
+
+
+@_scan_backward.register_fake
+def _(gy: Tensor, *saved: Tensor) -> list[Tensor]:
+    return [torch.empty_like(x) for x in saved[:5]]
+
+
+def _save_for_scan_backward(ctx, inputs: tuple[Tensor, ...], output: tuple[Tensor, Tensor]):
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(*inputs, output[1])
+
+
+def _scan_gradients(ctx, gy: Tensor, _g_states: Tensor | None) -> tuple[Tensor, ...]:
+    return tuple(_scan_backward(gy.contiguous(), *ctx.saved_tensors))
+
+
+_scan_forward.register_autograd(_scan_gradients, setup_context=_save_for_scan_backward)
 
 
 def selective_scan_torch(
@@ -134,19 +158,20 @@ def selective_scan_torch(
     """
     dtype = torch.promote_types(u.dtype, torch.float32)
     with torch.autocast(u.device.type, enabled=False):
-        u_, delta = u.to(dtype), delta.to(dtype)
+        # time-major [L, B, D] and contiguous from here on: the scan reads one step at a time,
+        # and every elementwise op and its gradient then see one layout
+        u_, delta_t = u.to(dtype), delta.to(dtype).permute(2, 0, 1).contiguous()
         if delta_bias is not None:
-            delta = delta + delta_bias.to(dtype).unsqueeze(-1)
+            delta_t = delta_t + delta_bias.to(dtype)
         if delta_softplus:
-            delta = F.softplus(delta)
-        delta_t = delta.permute(2, 0, 1)
-        y = _SelectiveScanFn.apply(
-            delta_t.contiguous(),
-            (delta_t * u_.permute(2, 0, 1)).contiguous(),
+            delta_t = F.softplus(delta_t)
+        y = _scan_forward(
+            delta_t,
+            delta_t * u_.permute(2, 0, 1).contiguous(),
             A.to(dtype),
             B.to(dtype).permute(2, 0, 1).contiguous(),
             C.to(dtype).permute(2, 0, 1).contiguous(),
-        ).permute(1, 2, 0)
+        )[0].permute(1, 2, 0)
         if D is not None:
             y = y + u_ * D.to(dtype).unsqueeze(-1)
     return y.to(u.dtype)

@@ -135,42 +135,71 @@ def _scan(
     return torch.stack(ps, 2), torch.stack(as_, 3), (torch.stack(hs, 3) if moment else None)
 
 
-class _BiWKV(torch.autograd.Function):
-    """Bi-WKV with a hand-written backward; both passes are linear-time scans."""
+@torch.library.custom_op("tread_fx::bi_wkv_forward", mutates_args=())
+def _wkv_forward(
+    d: Tensor, u: Tensor, k: Tensor, v: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Bi-WKV forward ``(y, m, den, e_s)``: the output and what the backward needs.
 
-    @staticmethod
-    def forward(ctx, d: Tensor, u: Tensor, k: Tensor, v: Tensor):
-        d, u, k = d * _LOG2E, u * _LOG2E, k * _LOG2E
-        val = _pair(torch.stack([v, torch.ones_like(v)]), 2)  # [num/den, B, dir, T, C]
-        p, a, _ = _scan(_pair(k, 1), val, d)
-        p, a = _unpair(p, 1), _unpair(a, 2)  # dir 0: tokens before t, dir 1: tokens after t
-        s = u + k  # the token itself, weighted by the bonus
-        m = torch.maximum(torch.maximum(p[:, 0], p[:, 1]), s)
-        e_f, e_b, e_s = torch.exp2(p[:, 0] - m), torch.exp2(p[:, 1] - m), torch.exp2(s - m)
-        num = e_f * a[0, :, 0] + e_b * a[0, :, 1] + e_s * v
-        den = e_f * a[1, :, 0] + e_b * a[1, :, 1] + e_s  # >= 1: the largest term is exactly 1
-        y = num / den
-        ctx.save_for_backward(d, k, v, y, m, den, e_s)
-        return y
+    A custom op (with :func:`_wkv_backward` as its gradient), so ``torch.compile`` calls each
+    linear-time scan as one opaque kernel instead of unrolling its loop over tokens.
+    """
+    d, u, k = d * _LOG2E, u * _LOG2E, k * _LOG2E
+    val = _pair(torch.stack([v, torch.ones_like(v)]), 2)  # [num/den, B, dir, T, C]
+    p, a, _ = _scan(_pair(k, 1), val, d)
+    p, a = _unpair(p, 1), _unpair(a, 2)  # dir 0: tokens before t, dir 1: tokens after t
+    s = u + k  # the token itself, weighted by the bonus
+    m = torch.maximum(torch.maximum(p[:, 0], p[:, 1]), s)
+    e_f, e_b, e_s = torch.exp2(p[:, 0] - m), torch.exp2(p[:, 1] - m), torch.exp2(s - m)
+    num = e_f * a[0, :, 0] + e_b * a[0, :, 1] + e_s * v
+    den = e_f * a[1, :, 0] + e_b * a[1, :, 1] + e_s  # >= 1: the largest term is exactly 1
+    return num / den, m, den, e_s
 
-    @staticmethod
-    def backward(ctx, gy: Tensor):
-        d, k, v, y, m, den, e_s = ctx.saved_tensors
-        g = gy / den  # d loss / d numerator, in units of 2**-m
-        gy_y = g * y  # minus d loss / d denominator, same units
-        g_self = e_s * (g * v - gy_y)
-        # Token i reaches the outputs t after it (dir 0) or before it (dir 1): a reverse scan
-        # of the output-side terms with log-weights -m (so that k_i + scale <= 0 below).
-        r, rho, kappa = _scan(
-            _pair(-m, 1), _pair(torch.stack([g, gy_y]), 2), d, reverse=True, moment=True
-        )
-        kk, vv = _pair(k, 1), _pair(v, 1)
-        e_k = torch.exp2(kk + r)
-        gv_pair = e_k * rho[0]
-        gv = e_s * g + _unpair(gv_pair, 1).sum(1)
-        gk = g_self + _unpair(gv_pair * vv - e_k * rho[1], 1).sum(1)
-        gd = -(e_k * (vv * kappa[0] - kappa[1])).sum((0, 1, 2))
-        return gd, g_self.sum((0, 1)), gk, gv
+
+@_wkv_forward.register_fake
+def _(d: Tensor, u: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return tuple(torch.empty_like(v) for _ in range(4))
+
+
+@torch.library.custom_op("tread_fx::bi_wkv_backward", mutates_args=())
+def _wkv_backward(
+    gy: Tensor, d: Tensor, k: Tensor, v: Tensor, y: Tensor, m: Tensor, den: Tensor, e_s: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Gradients ``(gd, gu, gk, gv)`` of :func:`_wkv_forward` from ``d loss / d y``."""
+    d, k = d * _LOG2E, k * _LOG2E
+    g = gy / den  # d loss / d numerator, in units of 2**-m
+    gy_y = g * y  # minus d loss / d denominator, same units
+    g_self = e_s * (g * v - gy_y)
+    # Token i reaches the outputs t after it (dir 0) or before it (dir 1): a reverse scan
+    # of the output-side terms with log-weights -m (so that k_i + scale <= 0 below).
+    r, rho, kappa = _scan(
+        _pair(-m, 1), _pair(torch.stack([g, gy_y]), 2), d, reverse=True, moment=True
+    )
+    kk, vv = _pair(k, 1), _pair(v, 1)
+    e_k = torch.exp2(kk + r)
+    gv_pair = e_k * rho[0]
+    gv = e_s * g + _unpair(gv_pair, 1).sum(1)
+    gk = g_self + _unpair(gv_pair * vv - e_k * rho[1], 1).sum(1)
+    gd = -(e_k * (vv * kappa[0] - kappa[1])).sum((0, 1, 2))
+    return gd, g_self.sum((0, 1)), gk, gv
+
+
+@_wkv_backward.register_fake
+def _(gy: Tensor, d: Tensor, k: Tensor, v: Tensor, *saved: Tensor):
+    return torch.empty_like(d), torch.empty_like(d), torch.empty_like(k), torch.empty_like(v)
+
+
+def _save_for_wkv_backward(ctx, inputs: tuple[Tensor, ...], output: tuple[Tensor, ...]) -> None:
+    d, _u, k, v = inputs
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.save_for_backward(d, k, v, *output)
+
+
+def _wkv_gradients(ctx, gy: Tensor, *_unused: Tensor | None) -> tuple[Tensor, ...]:
+    return tuple(_wkv_backward(gy.contiguous(), *ctx.saved_tensors))
+
+
+_wkv_forward.register_autograd(_wkv_gradients, setup_context=_save_for_wkv_backward)
 
 
 @register_leaf_function
@@ -198,7 +227,7 @@ def bi_wkv(w: Tensor, u: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """
     dtype = torch.promote_types(v.dtype, torch.float32)
     t = k.shape[1]
-    y = _BiWKV.apply(w.to(dtype) / t, u.to(dtype), k.to(dtype), v.to(dtype))
+    y = _wkv_forward(w.to(dtype) / t, u.to(dtype), k.to(dtype), v.to(dtype))[0]
     return y.to(v.dtype)
 
 
