@@ -19,6 +19,7 @@ from typing import Any
 from benchmarks.measure import CLOCKS, VARIANTS, median, paired_ratio
 
 __all__ = [
+    "merge_results",
     "summarise_mode",
     "evaluate_targets",
     "to_markdown",
@@ -291,12 +292,41 @@ def resummarise(results: dict[str, Any]) -> dict[str, Any]:
     return results
 
 
+def merge_results(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One result from runs of disjoint model lists (e.g. run side by side, one per core).
+
+    The first run's metadata is kept, with every run's command, revision and load listed;
+    models and skipped entries are concatenated; the first-call figures come from the run that
+    measured them.
+
+    Example:
+        >>> a = {"meta": {"command": "a", "clock": "cpu"}, "models": [], "skipped": []}
+        >>> merge_results([a, dict(a, meta={"command": "b"})])["meta"]["command"]
+        'a; b'
+    """
+    merged = dict(parts[0], meta=dict(parts[0]["meta"]), models=[], skipped=[])
+    for key in ("command", "git", "load_start", "load_end"):
+        merged["meta"][key] = "; ".join(str(p["meta"].get(key, "n/a")) for p in parts)
+    for part in parts:
+        merged["models"] += part["models"]
+        merged["skipped"] += part.get("skipped", [])
+        merged["first_call"] = merged.get("first_call") or part.get("first_call")
+    return merged
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m benchmarks.report RESULTS.json``: re-render the markdown from the raw times."""
+    """``python -m benchmarks.report RESULTS.json [MORE.json ...] [--out OUT]``.
+
+    Re-renders the markdown from the raw times; several files (runs of different models) are
+    merged into one table written to ``--out``.
+    """
     parser = argparse.ArgumentParser(prog="python -m benchmarks.report", description=main.__doc__)
-    parser.add_argument("results", help="a JSON file written by benchmarks.step_time")
-    path = Path(parser.parse_args(argv).results)
-    json_path, md_path = write_outputs(resummarise(json.loads(path.read_text())), path)
+    parser.add_argument("results", nargs="+", help="JSON files written by benchmarks.step_time")
+    parser.add_argument("--out", help="output path without suffix (default: the first file)")
+    args = parser.parse_args(argv)
+    parts = [json.loads(Path(path).read_text()) for path in args.results]
+    out = Path(args.out or args.results[0])
+    json_path, md_path = write_outputs(resummarise(merge_results(parts)), out)
     print(f"wrote {json_path} and {md_path}")
     return 0
 

@@ -20,6 +20,12 @@ from torch import nn
 __all__ = ["ModelSpec", "SPECS", "get_spec", "make_inputs", "model_available"]
 
 _TINY = {"depth": 4, "hidden_size": 32, "input_size": 8, "num_classes": 10}
+_MAMBA = {"input_size": 32, "in_channels": 4, "depth": 12}
+_RWKV = {"input_size": 32, "in_channels": 4}
+_SCAN_NOTE = (
+    "the scan is a Python loop over tokens, a torch.library custom op with a hand-written "
+    "backward: torch.compile calls it as one opaque kernel and compiles what is around it"
+)
 
 
 @dataclass(frozen=True)
@@ -35,9 +41,8 @@ class ModelSpec:
         route: The route ``(start, end)``, half-open.
         rate: Fraction of tokens (or rows) routed around.
         selection: ``"random"`` tokens or whole ``"rows"`` (grid-shaped blocks).
-        compile_ok: Whether ``torch.compile`` of this model is practical (no long Python loops).
         note: Anything a reader of the table must know.
-        batch: Default batch size on CPU (the slow Python-loop scans get a smaller one).
+        batch: Default batch size on CPU.
     """
 
     name: str
@@ -48,7 +53,6 @@ class ModelSpec:
     route: tuple[int, int] = (2, 9)
     rate: float = 0.5
     selection: str = "random"
-    compile_ok: bool = True
     note: str = ""
     batch: int = 8
 
@@ -91,7 +95,7 @@ class ModelSpec:
             kwargs["d_state"] = 4
         return ModelSpec(
             self.name, self.label + " (tiny)", self.module, self.factory, kwargs, (1, 3),
-            self.rate, self.selection, self.compile_ok, self.note, 2,
+            self.rate, self.selection, self.note, 2,
         )  # fmt: skip
 
 
@@ -104,14 +108,18 @@ SPECS: dict[str, ModelSpec] = {
                   route=(2, 9), note="route (2, 9): the authors' DiT-B/2 default (2..8 incl.)"),
         ModelSpec("dit-xl2", "DiT-XL/2", "dit", "DiT_XL_2", {"input_size": 32, "in_channels": 4},
                   route=(2, 24), note="route (2, 24): the 'start 2, end depth-4' rule"),
-        ModelSpec("mamba", "Mamba 12x384/2", "mamba", "Mamba_S_2",
-                  {"input_size": 32, "in_channels": 4, "depth": 12}, route=(2, 10),
-                  compile_ok=False, batch=2,
-                  note="pure-PyTorch selective scan (a Python loop over 256 tokens): eager only"),
-        ModelSpec("rwkv", "RWKV-S/2", "rwkv", "RWKV_S_2", {"input_size": 32, "in_channels": 4},
-                  route=(2, 10), selection="rows", compile_ok=False, batch=2,
-                  note="'rows' selection (the 2-D q-shift needs whole rows); Bi-WKV is a Python "
-                       "loop over tokens: eager only"),
+        ModelSpec("mamba", "Mamba 12x384/2", "mamba", "Mamba_S_2", _MAMBA, route=(2, 10),
+                  batch=8, note=_SCAN_NOTE),
+        ModelSpec("mamba-rows", "Mamba 12x384/2 rows", "mamba", "Mamba_S_2", _MAMBA,
+                  route=(2, 10), selection="rows", batch=8, note="'rows' selection"),
+        ModelSpec("rwkv", "RWKV-S/2", "rwkv", "RWKV_S_2", _RWKV, route=(2, 10),
+                  selection="rows", batch=8,
+                  note="'rows' selection (the 2-D q-shift reads true neighbours only in whole "
+                       "rows); " + _SCAN_NOTE),
+        ModelSpec("rwkv-random", "RWKV-S/2 random", "rwkv", "RWKV_S_2", _RWKV, route=(2, 10),
+                  batch=8,
+                  note="'random' selection: same cost as rows, but the routed blocks' q-shift "
+                       "then mixes tokens that are not grid neighbours (timing only)"),
     ]
 }  # fmt: skip
 

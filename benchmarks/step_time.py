@@ -31,14 +31,15 @@ import torch
 
 from benchmarks import measure
 from benchmarks.report import evaluate_targets, summarise_mode, to_markdown, write_outputs
-from benchmarks.specs import ModelSpec, get_spec, make_inputs, model_available
+from benchmarks.specs import SPECS, ModelSpec, get_spec, make_inputs, model_available
 
 __all__ = ["PRESETS", "parse_args", "run", "run_model", "main"]
 
 PRESETS: dict[str, dict[str, Any]] = {
-    "cpu": dict(models="dit-s2,dit-b2,mamba,rwkv", modes="eager,compiled", repeats=10,
-                warmup=2, device="cpu", dtype="fp32", first_call="dit-xl2", first_call_batch=1,
-                model_budget=1200.0, out="docs/results/cpu_step_time", threads=1, clock="cpu"),
+    "cpu": dict(models="dit-s2,dit-b2,mamba,mamba-rows,rwkv,rwkv-random", modes="eager,compiled",
+                repeats=10, warmup=2, device="cpu", dtype="fp32", first_call="dit-xl2",
+                first_call_batch=1, model_budget=1200.0, out="docs/results/cpu_step_time",
+                threads=1, clock="cpu"),
     "gpu": dict(models="dit-xl2", modes="eager,compiled", repeats=10, warmup=3, batch=64,
                 device="cuda", dtype="bf16", first_call="dit-xl2", first_call_batch=64,
                 model_budget=300.0, out="docs/results/gpu_step_time", threads=0, clock="wall"),
@@ -60,7 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="defaults for a machine (cpu when --device is cpu, gpu for cuda)",
     )
-    p.add_argument("--models", help="comma list of: dit-s2, dit-b2, dit-xl2, mamba, rwkv")
+    p.add_argument("--models", help="comma list of: " + ", ".join(SPECS))
     p.add_argument("--modes", help="comma list of: eager, compiled")
     p.add_argument("--repeats", type=int, help="timed rounds (each runs every variant once)")
     p.add_argument("--warmup", type=int, help="untimed rounds first (compilation happens here)")
@@ -84,11 +85,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--tiny",
         action="store_true",
         help="every model at test size (depth 4, width 32, 16 tokens, batch 2)",
-    )
-    p.add_argument(
-        "--force-compile",
-        action="store_true",
-        help="also compile Mamba/RWKV (Python-loop scans: very slow to compile)",
     )
     p.add_argument("--threads", type=int, help="torch.set_num_threads (0: torch's default)")
     p.add_argument(
@@ -146,16 +142,6 @@ def _device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
-def _modes_for(spec: ModelSpec, args: argparse.Namespace) -> tuple[list[str], list[str]]:
-    modes, skipped = [], []
-    for mode in args.modes.split(","):
-        if mode == "compiled" and not (spec.compile_ok or args.force_compile):
-            skipped.append(f"{spec.label} compiled: {spec.note} (--force-compile to try)")
-        else:
-            modes.append(mode)
-    return modes, skipped
-
-
 def _memory(setups, steps, device, autocast) -> dict[str, dict[str, int] | None]:
     """Per mode: bytes per variant (CPU: saved activations; CUDA: step peak)."""
     out: dict[str, dict[str, int] | None] = {}
@@ -175,9 +161,9 @@ def _memory(setups, steps, device, autocast) -> dict[str, dict[str, int] | None]
 
 def run_model(
     spec: ModelSpec, args: argparse.Namespace, device: torch.device, log: Callable[[str], None]
-) -> tuple[dict[str, Any], list[str]]:
-    """Measure one model in every requested mode; returns its entry and any skipped modes."""
-    modes, skipped = _modes_for(spec, args)
+) -> dict[str, Any]:
+    """Measure one model in every requested mode; returns its entry."""
+    modes = args.modes.split(",")
     batch = args.batch or spec.batch
     inputs = make_inputs(spec, batch, device)
     target = inputs[3]
@@ -221,7 +207,7 @@ def run_model(
             )
             for clock in measure.CLOCKS
         }  # fmt: skip
-    return entry, skipped
+    return entry
 
 
 def _first_call(args: argparse.Namespace, device: torch.device, log) -> dict[str, Any] | None:
@@ -304,9 +290,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict[st
         if not model_available(spec):
             results["skipped"].append(f"{spec.label}: tread_fx.models.{spec.module} not present")
             continue
-        entry, skipped = run_model(spec, args, device, log)
-        results["models"].append(entry)
-        results["skipped"] += skipped
+        results["models"].append(run_model(spec, args, device, log))
         _release(device, log)
     results["first_call"] = _first_call(args, device, log)
     results["meta"]["load_end"] = _load()

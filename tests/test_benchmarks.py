@@ -26,7 +26,9 @@ from benchmarks import measure, report, step_time  # noqa: E402
 from benchmarks.handwritten import forward_for  # noqa: E402
 from benchmarks.specs import SPECS, get_spec, make_inputs, model_available  # noqa: E402
 
-FAMILIES = [n for n in ("dit-s2", "mamba", "rwkv") if model_available(SPECS[n])]
+FAMILIES = [
+    n for n in ("dit-s2", "mamba", "mamba-rows", "rwkv", "rwkv-random") if model_available(SPECS[n])
+]
 
 
 def _tiny_model(name: str) -> tuple:
@@ -112,6 +114,20 @@ def test_entry_point_on_tiny_models_writes_json_and_markdown(tmp_path):
     _check_results(out, models, ["eager"])
     after = json.loads(out.with_suffix(".json").read_text())
     assert after["models"] == before["models"] and after["targets"] == before["targets"]
+
+
+def test_runs_of_different_models_merge_into_one_table(tmp_path):
+    common = ["--tiny", "--modes", "eager", "--repeats", "1", "--warmup", "1", "--quiet"]
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert step_time.main([*common, "--models", "dit-s2", "--out", str(first)]) == 0
+    assert step_time.main([*common, "--models", "rwkv", "--first-call", "none",
+                           "--out", str(second)]) == 0  # fmt: skip
+    merged = tmp_path / "merged"
+    argv = [str(first.with_suffix(".json")), str(second.with_suffix(".json")), "--out", str(merged)]
+    assert report.main(argv) == 0
+    _check_results(merged, ["dit-s2", "rwkv"], ["eager"])
+    data = json.loads(merged.with_suffix(".json").read_text())
+    assert data["first_call"]["model"] == "dit-xl2" and "; " in data["meta"]["command"]
 
 
 def test_presets_fill_unset_options_and_keep_explicit_ones():

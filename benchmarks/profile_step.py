@@ -1,0 +1,131 @@
+"""Where ``route()`` and the hand-written forward spend their step time, op by op.
+
+Profiles (``torch.profiler``, CPU activity) the training steps of two variants of one model,
+interleaved, and prints the aten ops whose call count or self time differs the most. Use it
+when a ``route() / hand-written`` or efficiency target in ``benchmarks.step_time`` is missed:
+an extra copy, a re-trace or a synchronisation in the pass shows up as extra calls.
+
+Usage:
+    python -m benchmarks.profile_step --model dit-b2 --steps 3
+    python -m benchmarks.profile_step --model rwkv --variants unrouted,route()
+    python -m benchmarks.profile_step --model dit-s2 --tiny --steps 1 --top 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from benchmarks import measure
+from benchmarks.specs import get_spec, make_inputs
+
+__all__ = ["profile_variants", "op_table", "main"]
+
+
+def _no_autocast() -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()  # the CPU benchmark runs in float32
+
+
+def _op_totals(prof: Any) -> dict[str, tuple[int, float]]:
+    """``{op: (calls, self CPU seconds)}`` of the aten ops a profile recorded."""
+    return {
+        event.key: (event.count, event.self_cpu_time_total / 1e6)
+        for event in prof.key_averages()
+        if event.key.startswith("aten::")
+    }
+
+
+def profile_variants(
+    model: str, variants: list[str], steps: int, tiny: bool = False, threads: int = 1
+) -> dict[str, dict[str, tuple[int, float]]]:
+    """Profile ``steps`` eager training steps of each variant (interleaved, after 2 warm-ups).
+
+    Args:
+        model: A ``benchmarks.specs`` name (``dit-b2``).
+        variants: Names from ``measure.VARIANTS``.
+        steps: Profiled steps per variant.
+        tiny: Use the test-size model.
+        threads: ``torch.set_num_threads`` (the CPU benchmark uses 1).
+
+    Returns:
+        Per variant, ``{aten op: (calls per step, self CPU seconds per step)}``.
+
+    Example:
+        >>> totals = profile_variants("dit-s2", ["route()", "hand-written"], 1, tiny=True)
+        >>> totals["route()"]["aten::mm"][0] == totals["hand-written"]["aten::mm"][0]
+        True
+    """
+    torch.set_num_threads(threads)
+    spec = get_spec(model, tiny=tiny)
+    inputs = make_inputs(spec, spec.batch)
+    setup = measure.build_setup(spec, "eager", inputs, torch.device("cpu"))
+    by_name = {v.name: v for v in setup.variants}
+    step: dict[str, Callable[[], None]] = {
+        name: measure.make_step(setup, by_name[name], inputs[3], _no_autocast) for name in variants
+    }
+    for _ in range(2):
+        for name in variants:
+            step[name]()
+    profiles: dict[str, dict[str, tuple[int, float]]] = {}
+    for name in variants:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                step[name]()
+        totals = _op_totals(prof)
+        profiles[name] = {op: (calls // steps, sec / steps) for op, (calls, sec) in totals.items()}
+    return profiles
+
+
+def op_table(profiles: dict[str, dict[str, tuple[int, float]]], top: int = 15) -> str:
+    """A markdown table of the ``top`` ops by largest self-time difference (first two variants)."""
+    (a_name, a), (b_name, b) = list(profiles.items())[:2]
+    ops = sorted(
+        set(a) | set(b), key=lambda op: -abs(a.get(op, (0, 0.0))[1] - b.get(op, (0, 0.0))[1])
+    )
+    rows = [
+        f"| op | calls {a_name} | calls {b_name} | self s {a_name} | self s {b_name} | diff s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for op in ops[:top]:
+        (ca, ta), (cb, tb) = a.get(op, (0, 0.0)), b.get(op, (0, 0.0))
+        rows.append(f"| {op} | {ca} | {cb} | {ta:.4f} | {tb:.4f} | {ta - tb:+.4f} |")
+    total_a = sum(t for _, t in a.values())
+    total_b = sum(t for _, t in b.values())
+    calls_a, calls_b = sum(c for c, _ in a.values()), sum(c for c, _ in b.values())
+    rows.append(
+        f"| all aten ops | {calls_a} | {calls_b} | {total_a:.4f} | {total_b:.4f} | "
+        f"{total_a - total_b:+.4f} |"
+    )
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point."""
+    p = argparse.ArgumentParser(prog="python -m benchmarks.profile_step", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--model", default="dit-b2", help="dit-s2, dit-b2, dit-xl2, mamba, rwkv, ...")
+    p.add_argument(
+        "--variants", default="route(),hand-written", help="two of: " + ", ".join(measure.VARIANTS)
+    )
+    p.add_argument("--steps", type=int, default=3, help="profiled steps per variant")
+    p.add_argument("--top", type=int, default=15, help="rows of the table")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--tiny", action="store_true", help="test-size model")
+    args = p.parse_args(argv)
+    variants = args.variants.split(",")
+    unknown = [v for v in variants if v not in measure.VARIANTS]
+    if len(variants) != 2 or unknown:
+        p.error(f"--variants: give two of {', '.join(measure.VARIANTS)}; got {args.variants!r}")
+    profiles = profile_variants(args.model, variants, args.steps, args.tiny, args.threads)
+    print(f"{args.model}: aten ops per training step (self CPU time, {args.threads} thread(s))")
+    print(op_table(profiles, args.top))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
