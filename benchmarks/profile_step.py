@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -24,7 +25,10 @@ from torch.profiler import ProfilerActivity, profile
 from benchmarks import measure
 from benchmarks.specs import get_spec, make_inputs
 
-__all__ = ["profile_variants", "op_table", "main"]
+__all__ = ["STEP", "profile_variants", "op_table", "main"]
+
+#: Key of the whole step's CPU time (process clock, profiler running) in a variant's profile.
+STEP = "(whole step)"
 
 
 def _no_autocast() -> contextlib.AbstractContextManager:
@@ -53,7 +57,8 @@ def profile_variants(
         threads: ``torch.set_num_threads`` (the CPU benchmark uses 1).
 
     Returns:
-        Per variant, ``{aten op: (calls per step, self CPU seconds per step)}``.
+        Per variant, ``{aten op: (calls per step, self CPU seconds per step)}``, plus the CPU
+        seconds of the whole profiled step under the key :data:`STEP`.
 
     Example:
         >>> totals = profile_variants("dit-s2", ["route()", "hand-written"], 1, tiny=True)
@@ -74,16 +79,25 @@ def profile_variants(
     profiles: dict[str, dict[str, tuple[int, float]]] = {}
     for name in variants:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
+            cpu = time.process_time()
             for _ in range(steps):
                 step[name]()
+            cpu = time.process_time() - cpu
         totals = _op_totals(prof)
         profiles[name] = {op: (calls // steps, sec / steps) for op, (calls, sec) in totals.items()}
+        profiles[name][STEP] = (1, cpu / steps)
     return profiles
 
 
 def op_table(profiles: dict[str, dict[str, tuple[int, float]]], top: int = 15) -> str:
-    """A markdown table of the ``top`` ops by largest self-time difference (first two variants)."""
-    (a_name, a), (b_name, b) = list(profiles.items())[:2]
+    """A markdown table of the ``top`` ops by largest self-time difference (first two variants).
+
+    The last rows give all aten ops together, the whole step (process CPU clock, profiler
+    running) and what lies outside the aten ops (Python, dispatch, the profiler itself).
+    """
+    (a_name, a_all), (b_name, b_all) = list(profiles.items())[:2]
+    a = {op: v for op, v in a_all.items() if op != STEP}
+    b = {op: v for op, v in b_all.items() if op != STEP}
     ops = sorted(
         set(a) | set(b), key=lambda op: -abs(a.get(op, (0, 0.0))[1] - b.get(op, (0, 0.0))[1])
     )
@@ -91,16 +105,25 @@ def op_table(profiles: dict[str, dict[str, tuple[int, float]]], top: int = 15) -
         f"| op | calls {a_name} | calls {b_name} | self s {a_name} | self s {b_name} | diff s |",
         "|---|---|---|---|---|---|",
     ]
+
+    def row(label: str, ca: int | str, cb: int | str, ta: float, tb: float) -> None:
+        rows.append(f"| {label} | {ca} | {cb} | {ta:.4f} | {tb:.4f} | {ta - tb:+.4f} |")
+
     for op in ops[:top]:
         (ca, ta), (cb, tb) = a.get(op, (0, 0.0)), b.get(op, (0, 0.0))
-        rows.append(f"| {op} | {ca} | {cb} | {ta:.4f} | {tb:.4f} | {ta - tb:+.4f} |")
-    total_a = sum(t for _, t in a.values())
-    total_b = sum(t for _, t in b.values())
-    calls_a, calls_b = sum(c for c, _ in a.values()), sum(c for c, _ in b.values())
-    rows.append(
-        f"| all aten ops | {calls_a} | {calls_b} | {total_a:.4f} | {total_b:.4f} | "
-        f"{total_a - total_b:+.4f} |"
+        row(op, ca, cb, ta, tb)
+    total_a, total_b = sum(t for _, t in a.values()), sum(t for _, t in b.values())
+    row(
+        "all aten ops",
+        sum(c for c, _ in a.values()),
+        sum(c for c, _ in b.values()),
+        total_a,
+        total_b,
     )
+    if STEP in a_all and STEP in b_all:
+        step_a, step_b = a_all[STEP][1], b_all[STEP][1]
+        row("whole step (CPU clock)", "", "", step_a, step_b)
+        row("outside aten ops", "", "", step_a - total_a, step_b - total_b)
     return "\n".join(rows)
 
 

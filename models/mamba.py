@@ -6,7 +6,9 @@ skips), the small embedders, the final layer, the model and its factories.
 
 Every block has the same call signature ``block(hidden, residual, c, skip=None)`` and works for
 any token count, so TREAD routing can hand a block an ascending subset of the tokens. The scan is
-a registered leaf function, so tracing records it as one node and never unrolls its loop.
+a registered leaf function, so tracing records it as one node and never unrolls its loop, and
+a ``torch.library`` custom op with a hand-written backward, so ``torch.compile`` calls it as one
+opaque kernel.
 
 Example:
     >>> import torch

@@ -209,7 +209,8 @@ def bi_wkv(w: Tensor, u: Tensor, k: Tensor, v: Tensor) -> Tensor:
     ``out_t = (sum_{i != t} e^{-(|t-i|-1) w / T + k_i} v_i + e^{u + k_t} v_t) / (same, v = 1)``.
     Computed in float32 (float64 if given) with two linear-time scans in log space, so large
     ``|w|`` or ``|k|`` neither overflow nor lose accuracy (also with flushed denormals).
-    Registered as a tracing leaf: it appears as one node in a traced graph.
+    Registered as a tracing leaf (one node in a traced graph); the scans are custom ops, so
+    ``torch.compile`` calls them as opaque kernels instead of unrolling them.
 
     Args:
         w: Decay per channel ``[C]``, divided by the current length ``T``.

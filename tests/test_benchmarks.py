@@ -172,3 +172,20 @@ def test_gpu_preset_code_path_runs_on_cpu_with_tiny_sizes(tmp_path):
     data["meta"]["device"] = "cuda"  # the CUDA-only lines of the report
     md = report.to_markdown(data)
     assert "Paper (one A100, DiT-XL/2, batch 64): TREAD 7.1 it/s" in md and "it/s vs unrouted" in md
+
+
+def test_profile_step_shows_route_and_handwritten_run_the_same_aten_ops():
+    from benchmarks import profile_step
+
+    profiles = profile_step.profile_variants("dit-s2", ["route()", "hand-written"], 1, tiny=True)
+    route_ops, hand_ops = profiles["route()"], profiles["hand-written"]
+    heavy = [op for op in hand_ops if op.endswith(("mm", "attention", "gelu", "layer_norm"))]
+    assert "aten::addmm" in heavy
+    for op in heavy:  # same compute; only the selection ops differ (topk vs argsort, ...)
+        assert route_ops.get(op, (0, 0))[0] == hand_ops[op][0], op
+    calls = [
+        sum(c for op, (c, _) in ops.items() if op != profile_step.STEP) for ops in profiles.values()
+    ]
+    assert abs(calls[0] - calls[1]) <= 0.01 * calls[1]
+    table = profile_step.op_table(profiles, top=3)
+    assert "| all aten ops |" in table and "| outside aten ops |" in table
