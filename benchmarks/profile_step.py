@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -27,7 +28,7 @@ from benchmarks.specs import get_spec, make_inputs
 
 __all__ = ["STEP", "profile_variants", "op_table", "main"]
 
-#: Key of the whole step's CPU time (process clock, profiler running) in a variant's profile.
+#: Key of the whole step's wall time (profiler running) in a variant's profile.
 STEP = "(whole step)"
 
 
@@ -57,8 +58,9 @@ def profile_variants(
         threads: ``torch.set_num_threads`` (the CPU benchmark uses 1).
 
     Returns:
-        Per variant, ``{aten op: (calls per step, self CPU seconds per step)}``, plus the CPU
-        seconds of the whole profiled step under the key :data:`STEP`.
+        Per variant, ``{aten op: (calls per step, self seconds per step)}``, plus the wall
+        seconds of the whole profiled step under the key :data:`STEP` (the profiler's op times
+        are wall durations on the calling thread, so the two compare).
 
     Example:
         >>> totals = profile_variants("dit-s2", ["route()", "hand-written"], 1, tiny=True)
@@ -76,24 +78,32 @@ def profile_variants(
     for _ in range(2):
         for name in variants:
             step[name]()
-    profiles: dict[str, dict[str, tuple[int, float]]] = {}
-    for name in variants:
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            cpu = time.process_time()
-            for _ in range(steps):
+    sums: dict[str, Counter] = {name: Counter() for name in variants}
+    for _ in range(steps):  # interleaved, one profile per step: both variants see the same load
+        for name in variants:
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                wall = time.perf_counter()
                 step[name]()
-            cpu = time.process_time() - cpu
-        totals = _op_totals(prof)
-        profiles[name] = {op: (calls // steps, sec / steps) for op, (calls, sec) in totals.items()}
-        profiles[name][STEP] = (1, cpu / steps)
-    return profiles
+                wall = time.perf_counter() - wall
+            for op, (calls, sec) in _op_totals(prof).items():
+                sums[name][(op, "calls")] += calls
+                sums[name][(op, "sec")] += sec
+            sums[name][(STEP, "calls")] += 1
+            sums[name][(STEP, "sec")] += wall
+    return {
+        name: {
+            op: (total[(op, "calls")] // steps, total[(op, "sec")] / steps)
+            for op in {op for op, _ in total}
+        }
+        for name, total in sums.items()
+    }
 
 
 def op_table(profiles: dict[str, dict[str, tuple[int, float]]], top: int = 15) -> str:
     """A markdown table of the ``top`` ops by largest self-time difference (first two variants).
 
-    The last rows give all aten ops together, the whole step (process CPU clock, profiler
-    running) and what lies outside the aten ops (Python, dispatch, the profiler itself).
+    The last rows give all aten ops together, the whole step (wall clock, profiler running) and
+    what lies outside the aten ops (Python, dispatch, the profiler itself).
     """
     (a_name, a_all), (b_name, b_all) = list(profiles.items())[:2]
     a = {op: v for op, v in a_all.items() if op != STEP}
@@ -122,7 +132,7 @@ def op_table(profiles: dict[str, dict[str, tuple[int, float]]], top: int = 15) -
     )
     if STEP in a_all and STEP in b_all:
         step_a, step_b = a_all[STEP][1], b_all[STEP][1]
-        row("whole step (CPU clock)", "", "", step_a, step_b)
+        row("whole step (wall clock)", "", "", step_a, step_b)
         row("outside aten ops", "", "", step_a - total_a, step_b - total_b)
     return "\n".join(rows)
 
@@ -145,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     if len(variants) != 2 or unknown:
         p.error(f"--variants: give two of {', '.join(measure.VARIANTS)}; got {args.variants!r}")
     profiles = profile_variants(args.model, variants, args.steps, args.tiny, args.threads)
-    print(f"{args.model}: aten ops per training step (self CPU time, {args.threads} thread(s))")
+    header = f"{args.steps} steps each, interleaved, {args.threads} thread(s)"
+    print(f"{args.model}: aten ops per training step ({header})")
     print(op_table(profiles, args.top))
     return 0
 
