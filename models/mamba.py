@@ -84,8 +84,8 @@ def _(delta: Tensor, du: Tensor, A: Tensor, B: Tensor, C: Tensor) -> tuple[Tenso
 @torch.library.custom_op("tread_fx::selective_scan_backward", mutates_args=())
 def _scan_backward(
     gy: Tensor, delta: Tensor, du: Tensor, A: Tensor, B: Tensor, C: Tensor, H: Tensor
-) -> list[Tensor]:
-    """Gradients ``[d_delta, d_du, dA, dB, dC]`` of :func:`_scan_forward` from ``d loss / d y``."""
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients ``(d_delta, d_du, dA, dB, dC)`` of :func:`_scan_forward` from ``d loss / d y``."""
     d_delta, d_du = torch.zeros_like(delta), torch.empty_like(du).unsqueeze(-1)
     dB, dC = torch.empty_like(B).unsqueeze(-1), torch.empty_like(C).unsqueeze(-1)
     dA = torch.zeros_like(A)
@@ -102,12 +102,12 @@ def _scan_backward(
             s = g * H[t - 1] * a_next  # gradient w.r.t. delta_t * A
             torch.sum(s * A, dim=-1, out=d_delta[t])
             dA += torch.einsum("bdn,bd->dn", s, delta[t])
-    return [d_delta, d_du.squeeze(-1), dA, dB.squeeze(-1), dC.squeeze(-1)]
+    return d_delta, d_du.squeeze(-1), dA, dB.squeeze(-1), dC.squeeze(-1)
 
 
 @_scan_backward.register_fake
-def _(gy: Tensor, *saved: Tensor) -> list[Tensor]:
-    return [torch.empty_like(x) for x in saved[:5]]
+def _(gy: Tensor, delta: Tensor, du: Tensor, A: Tensor, B: Tensor, C: Tensor, H: Tensor):
+    return tuple(torch.empty_like(x) for x in (delta, du, A, B, C))
 
 
 def _save_for_scan_backward(ctx, inputs: tuple[Tensor, ...], output: tuple[Tensor, Tensor]):
@@ -116,7 +116,7 @@ def _save_for_scan_backward(ctx, inputs: tuple[Tensor, ...], output: tuple[Tenso
 
 
 def _scan_gradients(ctx, gy: Tensor, _g_states: Tensor | None) -> tuple[Tensor, ...]:
-    return tuple(_scan_backward(gy.contiguous(), *ctx.saved_tensors))
+    return _scan_backward(gy.contiguous(), *ctx.saved_tensors)
 
 
 _scan_forward.register_autograd(_scan_gradients, setup_context=_save_for_scan_backward)
@@ -169,7 +169,7 @@ def selective_scan_torch(
             delta_t = F.softplus(delta_t)
         y = _scan_forward(
             delta_t,
-            delta_t * u_.permute(2, 0, 1).contiguous(),
+            delta_t * u_.permute(2, 0, 1),  # contiguous like delta_t, no extra copy
             A.to(dtype),
             B.to(dtype).permute(2, 0, 1).contiguous(),
             C.to(dtype).permute(2, 0, 1).contiguous(),

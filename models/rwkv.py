@@ -196,7 +196,7 @@ def _save_for_wkv_backward(ctx, inputs: tuple[Tensor, ...], output: tuple[Tensor
 
 
 def _wkv_gradients(ctx, gy: Tensor, *_unused: Tensor | None) -> tuple[Tensor, ...]:
-    return tuple(_wkv_backward(gy.contiguous(), *ctx.saved_tensors))
+    return _wkv_backward(gy.contiguous(), *ctx.saved_tensors)
 
 
 _wkv_forward.register_autograd(_wkv_gradients, setup_context=_save_for_wkv_backward)
