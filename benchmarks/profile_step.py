@@ -1,9 +1,9 @@
 """Where ``route()`` and the hand-written forward spend their step time, op by op.
 
 Profiles (``torch.profiler``, CPU activity) the training steps of two variants of one model,
-interleaved, and prints the aten ops whose call count or self time differs the most. Use it
-when a ``route() / hand-written`` or efficiency target in ``benchmarks.step_time`` is missed:
-an extra copy, a re-trace or a synchronisation in the pass shows up as extra calls.
+interleaved, and prints the aten ops whose self time differs the most, with their call counts.
+Use it when a ``route() / hand-written`` or efficiency target in ``benchmarks.step_time`` is
+missed: an extra copy, a re-trace or a synchronisation in the pass shows up as extra calls.
 
 Usage:
     python -m benchmarks.profile_step --model dit-b2 --steps 3
@@ -14,7 +14,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import contextlib
+import functools
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -30,10 +30,6 @@ __all__ = ["STEP", "profile_variants", "op_table", "main"]
 
 #: Key of the whole step's wall time (profiler running) in a variant's profile.
 STEP = "(whole step)"
-
-
-def _no_autocast() -> contextlib.AbstractContextManager:
-    return contextlib.nullcontext()  # the CPU benchmark runs in float32
 
 
 def _op_totals(prof: Any) -> dict[str, tuple[int, float]]:
@@ -72,30 +68,29 @@ def profile_variants(
     inputs = make_inputs(spec, spec.batch)
     setup = measure.build_setup(spec, "eager", inputs, torch.device("cpu"))
     by_name = {v.name: v for v in setup.variants}
+    fp32 = functools.partial(measure.autocast_for, torch.device("cpu"), None)  # no autocast
     step: dict[str, Callable[[], None]] = {
-        name: measure.make_step(setup, by_name[name], inputs[3], _no_autocast) for name in variants
+        name: measure.make_step(setup, by_name[name], inputs[3], fp32) for name in variants
     }
     for _ in range(2):
         for name in variants:
             step[name]()
-    sums: dict[str, Counter] = {name: Counter() for name in variants}
+    calls: dict[str, Counter] = {name: Counter() for name in variants}
+    seconds: dict[str, Counter] = {name: Counter() for name in variants}
     for _ in range(steps):  # interleaved, one profile per step: both variants see the same load
         for name in variants:
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 wall = time.perf_counter()
                 step[name]()
                 wall = time.perf_counter() - wall
-            for op, (calls, sec) in _op_totals(prof).items():
-                sums[name][(op, "calls")] += calls
-                sums[name][(op, "sec")] += sec
-            sums[name][(STEP, "calls")] += 1
-            sums[name][(STEP, "sec")] += wall
+            for op, (count, sec) in _op_totals(prof).items():
+                calls[name][op] += count
+                seconds[name][op] += sec
+            calls[name][STEP] += 1
+            seconds[name][STEP] += wall
     return {
-        name: {
-            op: (total[(op, "calls")] // steps, total[(op, "sec")] / steps)
-            for op in {op for op, _ in total}
-        }
-        for name, total in sums.items()
+        name: {op: (calls[name][op] // steps, seconds[name][op] / steps) for op in calls[name]}
+        for name in variants
     }
 
 
