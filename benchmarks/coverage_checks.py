@@ -1,0 +1,320 @@
+"""The coverage verdict: does ``route()`` with default arguments route one model cleanly?
+
+A :class:`Case` is a model factory and its inputs. :func:`judge` routes a fresh copy with
+``route(model, routes=case.routes, rate=0.5)`` and nothing else, and checks what a user
+relies on:
+
+- *routes*: the eval output is bitwise the unrouted model's, the training output keeps its
+  shape, rate 0 reproduces the original training forward bitwise, every parameter that
+  learns in the original training step gets a gradient, fewer tokens reach the routed blocks
+  and the forward FLOPs drop, and ``explain()`` (text and JSON) works on the same call;
+- *refused*: ``route()`` or the first routed call raised a ``TreadFxError`` (the reason is
+  the message's first line);
+- *broken*: anything else: another exception, or one of the invariants above failed;
+- *not buildable*: the model or its unrouted forward fails before tread_fx is involved.
+
+A ``route()`` that silently does nothing scores *broken* (no FLOP drop, no token drop): the
+sweep cannot be satisfied by a no-op.
+
+Example:
+    >>> import torch, tread_fx
+    >>> from benchmarks.coverage_checks import Case, judge
+    >>> case = Case(
+    ...     "dit", "tread_fx",
+    ...     lambda: tread_fx.models.DiT_S_2(input_size=8, in_channels=1, num_classes=10, depth=4),
+    ...     lambda: ((torch.randn(2, 1, 8, 8), torch.rand(2), torch.tensor([1, 2])), {}),
+    ... )
+    >>> judge(case).verdict
+    'routes'
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+import tread_fx
+from tread_fx.flops import FLOP_FORMULAS
+
+__all__ = ["Case", "Verdict", "judge", "first_tensor", "randomize_zero_init", "VERDICTS"]
+
+VERDICTS = ("routes", "refused", "broken", "not buildable")
+DEFAULT_ROUTES = [(1, -1)]
+
+
+@dataclass
+class Case:
+    """One model of a population.
+
+    Attributes:
+        name: Row id in the table.
+        family: Population (``diffusers``, ``timm``, ...).
+        make: Builds the model (called under ``torch.manual_seed(0)``).
+        inputs: Builds ``(args, kwargs)`` of a forward call (deterministic).
+        routes: Routes given to ``route()``.
+        note: How the case was built (e.g. layer counts raised), shown in the table.
+    """
+
+    name: str
+    family: str
+    make: Callable[[], nn.Module]
+    inputs: Callable[[], tuple[tuple, dict]]
+    routes: list = field(default_factory=lambda: list(DEFAULT_ROUTES))
+    note: str = ""
+
+
+@dataclass
+class Verdict:
+    """The outcome for one case (JSON-friendly)."""
+
+    name: str
+    family: str
+    verdict: str
+    reason: str = ""
+    stage: str = ""
+    note: str = ""
+    model_class: str = ""
+    depth: int | None = None
+    tokens: str = ""
+    flop_ratio: float | None = None
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class _Failed(Exception):
+    """A check failed: ``verdict`` and ``stage`` say which."""
+
+    def __init__(self, verdict: str, stage: str, reason: str) -> None:
+        super().__init__(reason)
+        self.verdict, self.stage, self.reason = verdict, stage, reason
+
+
+def randomize_zero_init(model: nn.Module, scale: float = 0.02) -> None:
+    """Give zero-initialised weights (adaLN-Zero, zero output layers) small random values.
+
+    Without it the output of many diffusion transformers is constant at init, and an
+    invariant such as "routing changes the output" or "every parameter learns" is vacuous.
+    """
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point() and p.abs().sum() == 0:
+                p.normal_(0, scale)
+
+
+def first_tensor(out: Any) -> torch.Tensor:
+    """The main output tensor of a model's return value (tuple, ModelOutput or tensor)."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)) and out:
+        return first_tensor(out[0])
+    for key in ("sample", "last_hidden_state", "logits"):
+        value = getattr(out, key, None)
+        if isinstance(value, torch.Tensor):
+            return value
+    if isinstance(out, dict) and out:
+        return first_tensor(next(iter(out.values())))
+    raise TypeError(f"no tensor output in {type(out).__name__}")
+
+
+def _reason(err: BaseException) -> str:
+    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+    text = lines[0] if lines else ""
+    return f"{type(err).__name__}: {text}"[:400]
+
+
+def _where(err: BaseException) -> str:
+    frames = traceback.extract_tb(err.__traceback__)
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+
+
+def _fresh(case: Case) -> nn.Module:
+    torch.manual_seed(0)
+    model = case.make()
+    randomize_zero_init(model)
+    return model
+
+
+def _forward(model: nn.Module, case: Case, train: bool, rng_seed: int = 123) -> torch.Tensor:
+    args, kwargs = case.inputs()
+    model.train(train)
+    with torch.random.fork_rng():
+        torch.manual_seed(rng_seed)
+        return first_tensor(model(*args, **kwargs))
+
+
+def _no_grad_forward(model: nn.Module, case: Case, train: bool) -> torch.Tensor:
+    with torch.no_grad():
+        return _forward(model, case, train)
+
+
+def _learning(model: nn.Module, case: Case) -> set[str]:
+    model.zero_grad(set_to_none=True)
+    out = _forward(model, case, train=True)
+    out.float().square().mean().backward()
+    return {n for n, p in model.named_parameters() if p.grad is not None and p.grad.any()}
+
+
+def _forward_flops(model: nn.Module, case: Case) -> int:
+    counter = FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS)
+    with counter:
+        _no_grad_forward(model, case, train=True)
+    return counter.get_total_flops()
+
+
+def _attempt(stage: str, fn: Callable[[], Any]) -> Any:
+    """Run one step of the check; a TreadFxError is a refusal, anything else is broken."""
+    try:
+        return fn()
+    except tread_fx.TreadFxError as err:
+        raise _Failed("refused", stage, _reason(err)) from err
+    except Exception as err:  # noqa: BLE001 - any other exception is what "broken" means
+        raise _Failed("broken", stage, f"{_reason(err)} (at {_where(err)})") from err
+
+
+def _require(ok: bool, stage: str, reason: str) -> None:
+    if not ok:
+        raise _Failed("broken", stage, reason)
+
+
+@dataclass
+class _Reference:
+    """The unrouted model's behaviour, measured before routing."""
+
+    pristine: nn.Module
+    eval_out: torch.Tensor
+    train_out: torch.Tensor
+    learning: set[str]
+    flops: int
+
+
+def _reference(case: Case) -> _Reference:
+    model = _fresh(case)
+    pristine = copy.deepcopy(model)
+    eval_out = _no_grad_forward(model, case, train=False)
+    train_out = _no_grad_forward(model, case, train=True)
+    learning = _learning(copy.deepcopy(pristine), case)
+    return _Reference(pristine, eval_out, train_out, learning, _forward_flops(model, case))
+
+
+def _resolving_routes(case: Case, ref: _Reference, route_fn: Callable, verdict: Verdict) -> list:
+    """``case.routes``, or ``(0, -1)`` where the stack is too shallow for them (depth <= 2,
+    when the suite's inputs fix the layer count)."""
+    try:
+        route_fn(copy.deepcopy(ref.pristine), routes=case.routes, rate=0.5, seed=0)
+    except tread_fx.InvalidRouteError:
+        fallback = [(0, -1)]
+        try:
+            route_fn(copy.deepcopy(ref.pristine), routes=fallback, rate=0.5, seed=0)
+        except Exception:  # noqa: BLE001 - the real check reports the original refusal
+            return case.routes
+        verdict.note = "; ".join(filter(None, [verdict.note, "shallow stack: route (0, -1)"]))
+        return fallback
+    except Exception:  # noqa: BLE001 - the real check reports it
+        pass
+    return case.routes
+
+
+def _check_routed(case: Case, ref: _Reference, route_fn: Callable, verdict: Verdict) -> None:
+    model = copy.deepcopy(ref.pristine)
+    _attempt("route()", lambda: route_fn(model, routes=case.routes, rate=0.5, seed=0))
+    out = _attempt("first routed call", lambda: _no_grad_forward(model, case, train=True))
+    _require(
+        out.shape == ref.train_out.shape,
+        "training output",
+        f"routed training output has shape {tuple(out.shape)}, "
+        f"unrouted {tuple(ref.train_out.shape)}",
+    )
+    infos = tread_fx.route_info(model) if tread_fx.is_routed(model) else None
+    _require(bool(infos), "route info", "route() left no route info: nothing was routed")
+    verdict.tokens = ", ".join(f"{i.num_tokens}->{i.kept.shape[1]}" for i in infos)
+    _require(
+        all(i.kept.shape[1] < i.num_tokens for i in infos),
+        "route info",
+        f"no route keeps fewer tokens than it receives ({verdict.tokens})",
+    )
+    eval_out = _attempt("eval after route()", lambda: _no_grad_forward(model, case, train=False))
+    _require(
+        torch.equal(eval_out, ref.eval_out),
+        "eval output",
+        "eval output differs from the unrouted model's (must be bitwise equal)",
+    )
+    routed_flops = _attempt("FLOP count", lambda: _forward_flops(model, case))
+    verdict.flop_ratio = round(routed_flops / ref.flops, 4) if ref.flops else None
+    _require(
+        routed_flops < ref.flops,
+        "FLOPs",
+        f"routed forward FLOPs {routed_flops} not below unrouted {ref.flops}",
+    )
+    learned = _attempt("backward", lambda: _learning(model, case))
+    missing = sorted(ref.learning - learned)
+    _require(
+        not missing,
+        "gradients",
+        f"{len(missing)} parameters that learn unrouted get no gradient: {missing[:3]}",
+    )
+
+
+def _check_rate_zero(case: Case, ref: _Reference, route_fn: Callable) -> None:
+    model = copy.deepcopy(ref.pristine)
+    _attempt("route(rate=0)", lambda: route_fn(model, routes=case.routes, rate=0.0, seed=0))
+    out = _attempt("rate-0 call", lambda: _no_grad_forward(model, case, train=True))
+    _require(
+        torch.equal(out, ref.train_out),
+        "rate 0",
+        "at rate 0 the training output differs from the original training forward",
+    )
+
+
+def _check_explain(case: Case, ref: _Reference, verdict: Verdict) -> None:
+    model = copy.deepcopy(ref.pristine)
+    args, kwargs = case.inputs()
+
+    def explain() -> None:
+        exp = tread_fx.explain(model, case.routes, 0.5, (args, kwargs))
+        str(exp), exp.to_json()
+        verdict.depth = len(exp.blocks) if getattr(exp, "blocks", None) else None
+
+    try:
+        explain()
+    except Exception as err:  # noqa: BLE001 - explain must work wherever route() does
+        raise _Failed("broken", "explain()", f"{_reason(err)} (at {_where(err)})") from err
+
+
+def judge(case: Case, route_fn: Callable = tread_fx.route) -> Verdict:
+    """Route ``case`` with default arguments and return its verdict (never raises).
+
+    Args:
+        case: The model and its inputs.
+        route_fn: The routing function under test (``tread_fx.route``; tests pass others to
+            check that a no-op cannot score).
+
+    Returns:
+        The :class:`Verdict`.
+    """
+    verdict = Verdict(case.name, case.family, "routes", note=case.note)
+    started = time.perf_counter()
+    try:
+        try:
+            ref = _reference(case)
+        except Exception as err:  # noqa: BLE001 - the model itself does not run here
+            raise _Failed("not buildable", "unrouted model", _reason(err)) from err
+        verdict.model_class = type(ref.pristine).__name__
+        case = dataclasses.replace(case, routes=_resolving_routes(case, ref, route_fn, verdict))
+        _check_routed(case, ref, route_fn, verdict)
+        _check_rate_zero(case, ref, route_fn)
+        _check_explain(case, ref, verdict)
+    except _Failed as failed:
+        verdict.verdict, verdict.stage, verdict.reason = failed.verdict, failed.stage, failed.reason
+    verdict.seconds = round(time.perf_counter() - started, 2)
+    return verdict

@@ -1,0 +1,98 @@
+"""The coverage sweep's verdict cannot be gamed, and the timm sweep does not regress."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import dit_inputs, tiny_dit
+
+from benchmarks.coverage import main as coverage_main
+from benchmarks.coverage import totals, write_markdown
+from benchmarks.coverage_checks import Case, judge
+from benchmarks.coverage_sources import raise_layer_counts
+
+COMMITTED = Path(__file__).resolve().parents[1] / "docs" / "results" / "coverage.json"
+
+
+def _dit_case(make=tiny_dit) -> Case:
+    return Case("tiny-dit", "test", make, lambda: (dit_inputs(), {}))
+
+
+def test_a_routed_dit_routes():
+    verdict = judge(_dit_case())
+    assert verdict.verdict == "routes", verdict
+    assert verdict.flop_ratio is not None and verdict.flop_ratio < 1
+    assert verdict.tokens == "16->8"
+
+
+def test_a_no_op_route_scores_zero():
+    def no_op(model, **kwargs):
+        return model
+
+    verdict = judge(_dit_case(), route_fn=no_op)
+    assert verdict.verdict == "broken" and verdict.stage == "route info"
+
+
+def test_a_route_that_changes_eval_is_broken():
+    def eval_breaking(model, **kwargs):
+        import tread_fx
+
+        tread_fx.route(model, **kwargs)
+        with torch.no_grad():
+            model.final_layer.linear.bias.add_(1.0)  # inference no longer equals the original
+        return model
+
+    verdict = judge(_dit_case(), route_fn=eval_breaking)
+    assert verdict.verdict == "broken" and verdict.stage == "eval output"
+
+
+def test_a_model_without_a_block_stack_is_refused():
+    class Plain(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.proj(x)
+
+    case = Case("plain", "test", Plain, lambda: ((torch.randn(2, 4, 8),), {}))
+    verdict = judge(case)
+    assert verdict.verdict == "refused" and verdict.stage == "route()"
+    assert "BlockStackNotFoundError" in verdict.reason
+
+
+def test_a_model_that_does_not_run_is_not_buildable():
+    case = Case("bad", "test", tiny_dit, lambda: ((torch.randn(2, 3),), {}))
+    assert judge(case).verdict == "not buildable"
+
+
+def test_layer_counts_are_raised_to_four():
+    init = {"num_layers": 2, "depth": 1, "num_attention_heads": 2, "patch_size": 1, "x": True}
+    assert raise_layer_counts(init) == {**init, "num_layers": 4, "depth": 4}
+
+
+def test_report_totals_and_markdown(tmp_path):
+    rows = [
+        {"name": "a", "verdict": "routes", "tokens": "16->8", "flop_ratio": 0.7},
+        {"name": "b", "verdict": "refused", "stage": "route()", "reason": "X: no stack"},
+    ]
+    data = {"demo": {"meta": {"source": "test"}, "rows": rows, "date": "d", "seconds": 1}}
+    write_markdown(data, tmp_path / "c.md")
+    text = (tmp_path / "c.md").read_text()
+    assert "| demo | 2 | 1 | 1 | 0 | 0 | 50% |" in text
+    assert totals(rows)["buildable"] == 2
+
+
+@pytest.mark.slow
+def test_timm_per_architecture_sweep_does_not_regress():
+    """The timm sweep (one model per architecture) against the committed table."""
+    section = coverage_main(["timm", "--per-arch", "--no-write", "-j", "2"])
+    now = {r["name"]: r["verdict"] for r in section["rows"]}
+    committed = json.loads(COMMITTED.read_text())["timm (per architecture)"]["rows"]
+    before = {r["name"]: r["verdict"] for r in committed}
+    regressed = [n for n, v in before.items() if v == "routes" and now.get(n) != "routes"]
+    assert not regressed, f"routed in the committed table, not now: {regressed}"
+    assert totals(section["rows"])["broken"] <= totals(committed)["broken"]
