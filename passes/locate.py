@@ -196,7 +196,7 @@ def _valid_sequence(model: nn.Module, path: str, nodes: list[fx.Node]) -> bool:
 
 def _chains(model: nn.Module, calls: dict[str, list[fx.Node]]) -> list[list[str]]:
     valid = [p for p, nodes in calls.items() if nodes and _valid_sequence(model, p, nodes)]
-    order = {n: i for i, n in enumerate(next(iter(calls.values()))[0].graph.nodes)} if valid else {}
+    order = {n: i for i, n in enumerate(calls[valid[0]][0].graph.nodes)} if valid else {}
     valid.sort(key=lambda p: order[calls[p][0]])
     chains: list[list[str]] = []
     for path in valid:

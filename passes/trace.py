@@ -43,6 +43,13 @@ from torch.fx.proxy import Attribute
 from torch.utils import _pytree as pytree
 
 from tread_fx.errors import UntraceableModelError
+from tread_fx.passes.trace_mutation import (
+    defining_modules,
+    drop_unused_sizes,
+    functional_setitem,
+    library_function_of,
+    thread_inplace,
+)
 from tread_fx.passes.trace_support import (
     factories_take_proxies,
     name_placeholders,
@@ -61,6 +68,8 @@ _METADATA_METHODS = frozenset(
     {"size", "dim", "numel", "ndimension", "nelement", "is_floating_point", "is_complex",
      "element_size", "is_contiguous", "get_device", "stride"}
 )  # fmt: skip
+# read as Python values: dtype and device are part of the signature guard (torch.finfo(x.dtype))
+_CONCRETE_ATTRS = frozenset({"dtype", "device", "layout", "is_cuda", "is_sparse", "is_quantized"})
 _DATA_METHODS = frozenset({"item", "tolist", "numpy", "__bool__", "__int__", "__float__"})
 _PYTHON_RANDOM = ("random", "uniform", "randint", "randrange", "choice", "sample", "shuffle")
 
@@ -141,8 +150,21 @@ class ValueProxy(fx.Proxy):
             return format(value, spec)  # shape-derived: f-strings in messages read naturally
         return format(repr(self), spec)
 
-    def __getattr__(self, name: str) -> ValueAttribute:
+    def __getattr__(self, name: str) -> Any:
+        value = self.tracer.value_of(self)
+        if name in _CONCRETE_ATTRS and isinstance(value, torch.Tensor):
+            return getattr(value, name)  # part of the signature guard
+        if name == "shape" and isinstance(value, torch.Tensor):
+            # a real tuple (``isinstance(x.shape, tuple)`` holds) of traced sizes
+            return tuple(self.size(i) for i in range(value.dim()))
         return ValueAttribute(self, name)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        """``x[key] = value``: one out-of-place node; this object now stands for its result."""
+        written = self.tracer.create_proxy(
+            "call_function", functional_setitem, (self, key, value), {}
+        )
+        self.node = written.node
 
 
 class ValueAttribute(ValueProxy, Attribute):
@@ -229,8 +251,9 @@ def _flat_forward(num_tensors: int):
 class ValueTracer(fx.Tracer):
     """An fx tracer whose proxies carry the eager values (see module docstring)."""
 
-    def __init__(self, leaf_paths: set[str], example: dict[str, Any]) -> None:
-        super().__init__(autowrap_functions=leaf_functions(), param_shapes_constant=False)
+    def __init__(self, leaf_paths: set[str], example: dict[str, Any], functions=()) -> None:
+        leaves = (*leaf_functions(), *functions)
+        super().__init__(autowrap_functions=leaves, param_shapes_constant=False)
         self.leaf_paths = leaf_paths
         self.example = example
         self.values: dict[fx.Node, Any] = {}
@@ -486,16 +509,19 @@ def trace_call(model: nn.Module, args: tuple, kwargs: dict, leaf_paths: set[str]
     """
     flat, in_spec = pytree.tree_flatten((args, kwargs))
     auto_leaves: dict[str, str] = {}
+    auto_functions: list = []
+    model_files = {os.path.abspath(inspect.getfile(m)) for m in _python_modules(model)}
     while True:
         tensors = [leaf for leaf in flat if isinstance(leaf, torch.Tensor)]
         wrapper_cls = type("FlatCall", (FlatCall,), {"forward": _flat_forward(len(tensors))})
         wrapper = wrapper_cls(model, in_spec, flat)
         example = {f"t{i}": t.detach().clone() for i, t in enumerate(tensors)}
         paths = {MODEL_PREFIX + p for p in leaf_paths | set(auto_leaves)}
-        tracer = ValueTracer(paths, example)
+        tracer = ValueTracer(paths, example, auto_functions)
         # registered leaf functions called from the model's own forward (called directly,
         # not through Module.__call__, so fx would not look in its globals by itself)
         tracer._autowrap_search.extend(_python_modules(model))
+        tracer._autowrap_search.extend(m for f in auto_functions for m in defining_modules(f))
         try:
             graph = _trace_restoring_state(tracer, wrapper, model, tensors)
             break
@@ -506,11 +532,17 @@ def trace_call(model: nn.Module, args: tuple, kwargs: dict, leaf_paths: set[str]
                 raise _untraceable(model, err) from None
             auto_leaves[err.module_path[len(MODEL_PREFIX) :]] = f"{err.what} at {err.where}"
         except Exception as err:  # fx limitation inside a submodule: make it a leaf
+            library_fn = library_function_of(err, model_files)
+            if library_fn is not None and library_fn not in auto_functions:
+                auto_functions.append(library_fn)  # e.g. einops: called on real values
+                continue
             path = getattr(err, "tread_module_path", None)
             if path is None or len(auto_leaves) >= _MAX_AUTO_LEAVES:
                 where = _traceback_location(err)
                 raise _untraceable(model, DataDependentError(str(err), None, where)) from None
             auto_leaves[path[len(MODEL_PREFIX) :]] = f"{type(err).__name__}: {err}"
+    thread_inplace(graph)
+    drop_unused_sizes(graph)
     gm = fx.GraphModule(wrapper, graph, class_name=type(model).__name__ + "Traced")
     name_placeholders(gm.graph, (args, kwargs), wrapper.tensor_positions)
     return TracedCall(gm, wrapper, in_spec, wrapper.tensor_positions, wrapper.out_spec, auto_leaves)

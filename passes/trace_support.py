@@ -22,7 +22,9 @@ from torch.utils import _pytree as pytree
 
 __all__ = ["report_grad_mode", "factories_take_proxies", "name_placeholders"]
 
-_FACTORIES = ("ones", "zeros", "empty", "full", "rand", "randn", "randint", "arange")
+_FACTORIES = (
+    "ones", "zeros", "empty", "full", "rand", "randn", "randint", "arange", "tensor", "as_tensor"
+)  # fmt: skip
 
 
 @contextlib.contextmanager

@@ -142,7 +142,8 @@ def test_guards_list_the_signature_and_the_resolved_shapes(dit_case):
     _, _, exp = dit_case
     kinds = {(g.kind, g.what) for g in exp.guards}
     assert {("input", "x"), ("input", "t"), ("input", "y")} <= kinds
-    assert any(g.kind == "shape" and g.what.startswith("x.shape") for g in exp.guards)
+    # x.shape is traced size by size (no Python constant); the adaLN chunk count is resolved
+    assert any(g.kind == "shape" and ".chunk(" in g.what for g in exp.guards)
     assert any(g.kind == "route" and g.value == "8 of 16 tokens" for g in exp.guards)
 
 

@@ -165,6 +165,8 @@ def describe(node: Any, names: dict[str, str], depth: int = 0) -> str:
         return f"{sub(node.args[0])}[{sub(node.args[1])}]"
     if node.op == "call_function" and node.target in _BINARY and len(node.args) == 2:
         return f"({sub(node.args[0])} {_BINARY[node.target]} {sub(node.args[1])})"
+    if node.op == "call_method" and node.target == "size" and len(node.args) == 2:
+        return f"{sub(node.args[0])}.shape[{sub(node.args[1])}]"
     if node.op == "call_method" and node.args:
         inner = ", ".join(sub(a) for a in node.args[1:])
         return f"{sub(node.args[0])}.{node.target}({inner})"
