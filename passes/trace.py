@@ -42,6 +42,7 @@ from torch.fx._symbolic_trace import _orig_module_call
 from torch.fx.proxy import Attribute
 from torch.utils import _pytree as pytree
 
+from tread_fx.adapters.values import TensorMeta
 from tread_fx.errors import UntraceableModelError
 from tread_fx.passes.trace_support import (
     factories_take_proxies,
@@ -50,7 +51,14 @@ from tread_fx.passes.trace_support import (
 )
 from tread_fx.registry import leaf_functions, leaf_modules
 
-__all__ = ["TracedCall", "DataDependentError", "FlatCall", "trace_call", "MODEL_PREFIX"]
+__all__ = [
+    "TensorMeta",
+    "TracedCall",
+    "DataDependentError",
+    "FlatCall",
+    "trace_call",
+    "MODEL_PREFIX",
+]
 
 MODEL_PREFIX = "model."
 _MAX_AUTO_LEAVES = 64
@@ -171,15 +179,6 @@ class TracedCall:
     tensor_positions: tuple[int, ...]
     out_spec: pytree.TreeSpec
     auto_leaves: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class TensorMeta:
-    """Shape, dtype and device of a tensor seen at trace time."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    device: torch.device
 
 
 def _meta_of(value: Any) -> Any:
