@@ -19,7 +19,7 @@ Example:
     >>> lin = torch.nn.Linear(4, 4)
     >>> traced = trace_call(lin, (torch.randn(2, 4),), {}, leaf_paths=set())
     >>> [n.op for n in traced.gm.graph.nodes]
-    ['placeholder', 'call_module', 'output']
+    ['placeholder', 'get_attr', 'get_attr', 'call_function', 'output']
 """
 
 from __future__ import annotations
