@@ -43,7 +43,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import tread_fx
-from tread_fx.flops import FLOP_FORMULAS
+from tread_fx.inspection.flops import FLOP_FORMULAS
 
 __all__ = ["Case", "Verdict", "judge", "first_tensor", "randomize_zero_init", "VERDICTS"]
 

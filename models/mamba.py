@@ -6,7 +6,7 @@ skips), the small embedders, the final layer, the model and its factories.
 
 Every block has the same call signature ``block(hidden, residual, c, skip=None)`` and works for
 any token count, so TREAD routing can hand a block an ascending subset of the tokens. The scan is
-a registered leaf function, so tracing records it as one node and never unrolls its loop, and
+wrapped with ``torch.fx.wrap``, so tracing records it as one node and never unrolls its loop, and
 a ``torch.library`` custom op with a hand-written backward, so ``torch.compile`` calls it as one
 opaque kernel.
 
@@ -23,11 +23,10 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.fx
 import torch.nn.functional as F
 from timm.layers import PatchEmbed
 from torch import Tensor, nn
-
-from tread_fx import register_leaf_function
 
 try:  # the optional CUDA kernel; used only for CUDA tensors
     from mamba_ssm.ops.selective_scan_interface import selective_scan_fn as _cuda_selective_scan
@@ -179,7 +178,6 @@ def selective_scan_torch(
     return y.to(u.dtype)
 
 
-@register_leaf_function
 def selective_scan(
     u: Tensor,
     delta: Tensor,
@@ -192,7 +190,7 @@ def selective_scan(
 ) -> Tensor:
     """Selective scan: ``mamba_ssm``'s CUDA kernel for CUDA tensors when installed, else PyTorch.
 
-    A registered leaf function: tracing records one node for it. Arguments and result are as in
+    Wrapped with ``torch.fx.wrap``: tracing records one node for it. Arguments and result are as in
     :func:`selective_scan_torch`.
 
     Example:
@@ -206,6 +204,11 @@ def selective_scan(
             u, delta, A, B, C, D, delta_bias=delta_bias, delta_softplus=delta_softplus
         )
     return selective_scan_torch(u, delta, A, B, C, D, delta_bias, delta_softplus)
+
+
+# traced as one call_function node by torch.fx tracers (not unrolled), like timm's
+# register_notrace_function
+torch.fx.wrap("selective_scan")
 
 
 class ScanDirection(nn.Module):

@@ -25,11 +25,10 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.fx
 import torch.nn.functional as F
 from timm.layers import PatchEmbed
 from torch import Tensor, nn
-
-from tread_fx import register_leaf_function
 
 __all__ = ["DiffusionRWKV", "RWKVBlock", "SpatialMix", "ChannelMix", "FinalLayer"]
 __all__ += ["TimestepEmbedder", "LabelEmbedder", "bi_wkv", "q_shift", "modulate"]
@@ -202,14 +201,13 @@ def _wkv_gradients(ctx, gy: Tensor, *_unused: Tensor | None) -> tuple[Tensor, ..
 _wkv_forward.register_autograd(_wkv_gradients, setup_context=_save_for_wkv_backward)
 
 
-@register_leaf_function
 def bi_wkv(w: Tensor, u: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """Bidirectional RWKV-4 WKV (Vision-RWKV's Bi-WKV) over a sequence of length T.
 
     ``out_t = (sum_{i != t} e^{-(|t-i|-1) w / T + k_i} v_i + e^{u + k_t} v_t) / (same, v = 1)``.
     Computed in float32 (float64 if given) with two linear-time scans in log space, so large
     ``|w|`` or ``|k|`` neither overflow nor lose accuracy (also with flushed denormals).
-    Registered as a tracing leaf (one node in a traced graph); the scans are custom ops, so
+    Wrapped with ``torch.fx.wrap`` (one node in a traced graph); the scans are custom ops, so
     ``torch.compile`` calls them as opaque kernels instead of unrolling them.
 
     Args:
@@ -230,6 +228,11 @@ def bi_wkv(w: Tensor, u: Tensor, k: Tensor, v: Tensor) -> Tensor:
     t = k.shape[1]
     y = _wkv_forward(w.to(dtype) / t, u.to(dtype), k.to(dtype), v.to(dtype))[0]
     return y.to(v.dtype)
+
+
+# traced as one call_function node by torch.fx tracers (not unrolled), like timm's
+# register_notrace_function
+torch.fx.wrap("bi_wkv")
 
 
 def _mix(x: Tensor, shifted: Tensor, ratio: Tensor) -> Tensor:

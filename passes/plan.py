@@ -37,7 +37,7 @@ from tread_fx.passes.streams import (
 )
 from tread_fx.passes.trace import TensorMeta
 from tread_fx.routes import Route
-from tread_fx.selection import Strategy, kept_units
+from tread_fx.runtime.selection import Strategy, kept_units
 
 __all__ = ["Crossing", "RoutePlan", "plan_route", "graph_to_networkx"]
 

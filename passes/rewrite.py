@@ -17,11 +17,11 @@ from typing import Any
 import torch.fx as fx
 from torch.utils.checkpoint import checkpoint
 
-from tread_fx.ops import blend_tokens, call_in_fp32, gather_tokens, scatter_tokens
+from tread_fx.adapters.token_tables import share_across_batch
 from tread_fx.passes.plan import Crossing, RoutePlan
 from tread_fx.passes.trace import TensorMeta
-from tread_fx.selection import Strategy
-from tread_fx.token_tables import share_across_batch
+from tread_fx.runtime.ops import blend_tokens, call_in_fp32, gather_tokens, scatter_tokens
+from tread_fx.runtime.selection import Strategy
 
 __all__ = ["rewrite_route", "append_route_outputs", "NOISE_PREFIX", "Reinsert"]
 

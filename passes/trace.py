@@ -19,18 +19,14 @@ Example:
     >>> lin = torch.nn.Linear(4, 4)
     >>> traced = trace_call(lin, (torch.randn(2, 4),), {}, leaf_paths=set())
     >>> [n.op for n in traced.gm.graph.nodes]
-    ['placeholder', 'call_module', 'output']
+    ['placeholder', 'get_attr', 'get_attr', 'call_function', 'output']
 """
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import operator
 import os
-import random
-import sys
-import types
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +38,7 @@ from torch.fx._symbolic_trace import _orig_module_call
 from torch.fx.proxy import Attribute
 from torch.utils import _pytree as pytree
 
+from tread_fx.adapters.values import TensorMeta
 from tread_fx.errors import UntraceableModelError
 from tread_fx.passes.trace_mutation import (
     defining_modules,
@@ -51,13 +48,25 @@ from tread_fx.passes.trace_mutation import (
     thread_inplace,
 )
 from tread_fx.passes.trace_support import (
+    DataDependentError,
+    checkpoint_as_plain_call,
     factories_take_proxies,
     name_placeholders,
+    python_modules,
+    refuse_python_random,
     report_grad_mode,
+    user_frame,
 )
 from tread_fx.registry import leaf_functions, leaf_modules
 
-__all__ = ["TracedCall", "DataDependentError", "FlatCall", "trace_call", "MODEL_PREFIX"]
+__all__ = [
+    "TensorMeta",
+    "TracedCall",
+    "DataDependentError",
+    "FlatCall",
+    "trace_call",
+    "MODEL_PREFIX",
+]
 
 MODEL_PREFIX = "model."
 _MAX_AUTO_LEAVES = 64
@@ -71,17 +80,6 @@ _METADATA_METHODS = frozenset(
 # read as Python values: dtype and device are part of the signature guard (torch.finfo(x.dtype))
 _CONCRETE_ATTRS = frozenset({"dtype", "device", "layout", "is_cuda", "is_sparse", "is_quantized"})
 _DATA_METHODS = frozenset({"item", "tolist", "numpy", "__bool__", "__int__", "__float__"})
-_PYTHON_RANDOM = ("random", "uniform", "randint", "randrange", "choice", "sample", "shuffle")
-
-
-class DataDependentError(Exception):
-    """Python read tensor data (or drew Python random numbers) while being traced."""
-
-    def __init__(self, what: str, module_path: str | None, where: str) -> None:
-        super().__init__(f"{what} at {where}")
-        self.what = what
-        self.module_path = module_path
-        self.where = where
 
 
 class _EagerFailure(Exception):
@@ -90,22 +88,6 @@ class _EagerFailure(Exception):
     def __init__(self, original: BaseException) -> None:
         super().__init__(str(original))
         self.original = original
-
-
-def _user_frame() -> str:
-    """Return ``file:line`` of the innermost frame outside torch and tread_fx."""
-    import tread_fx
-
-    skip = (
-        os.path.dirname(torch.__file__) + os.sep,
-        os.path.dirname(os.path.abspath(__file__)) + os.sep,
-        os.path.dirname(os.path.abspath(tread_fx.__file__)) + os.sep,
-    )
-    for frame_info in inspect.stack()[2:]:
-        filename = os.path.abspath(frame_info.filename)
-        if not filename.startswith(skip) and "contextlib" not in filename:
-            return f"{frame_info.filename}:{frame_info.lineno}"
-    return "<unknown location>"
 
 
 class ValueProxy(fx.Proxy):
@@ -195,15 +177,6 @@ class TracedCall:
     auto_leaves: dict[str, str] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class TensorMeta:
-    """Shape, dtype and device of a tensor seen at trace time."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    device: torch.device
-
-
 def _meta_of(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return TensorMeta(tuple(value.shape), value.dtype, value.device)
@@ -283,7 +256,7 @@ class ValueTracer(fx.Tracer):
             raise DataDependentError(
                 f"{what} of a value computed from tensor data",
                 self.module_stack[-1] if self.module_stack else None,
-                _user_frame(),
+                user_frame(),
             )
         return value
 
@@ -319,7 +292,7 @@ class ValueTracer(fx.Tracer):
             raise DataDependentError(
                 f"Tensor.{target}()",
                 self.module_stack[-1] if self.module_stack else None,
-                _user_frame(),
+                user_frame(),
             )
         if kind == "placeholder":
             value = self.example[target]
@@ -406,84 +379,6 @@ def _fetch_attr(root: nn.Module, target: str) -> Any:
     return obj
 
 
-@contextlib.contextmanager
-def _refuse_python_random(tracer: ValueTracer) -> Iterator[None]:
-    """Make Python-level random draws made by traced (not eager) code refuse to be baked in."""
-    originals = {name: getattr(random, name) for name in _PYTHON_RANDOM}
-
-    def guard(name: str):
-        def draw(*args: Any, **kwargs: Any) -> Any:
-            if not tracer.running_eager:
-                stack = tracer.module_stack
-                raise DataDependentError(
-                    f"Python-level randomness (random.{name})",
-                    stack[-1] if stack else None,
-                    _user_frame(),
-                )
-            return originals[name](*args, **kwargs)
-
-        return draw
-
-    try:
-        for name in _PYTHON_RANDOM:
-            setattr(random, name, guard(name))
-        yield
-    finally:
-        for name, fn in originals.items():
-            setattr(random, name, fn)
-
-
-@contextlib.contextmanager
-def _checkpoint_as_plain_call(tracer: ValueTracer, model: nn.Module) -> Iterator[None]:
-    """Trace blocks called through activation checkpointing as plain, marked calls.
-
-    ``torch.utils.checkpoint.checkpoint(block, *args)`` and diffusers'
-    ``self._gradient_checkpointing_func(block, *args)`` become ``block(*args)`` while
-    tracing, so the blocks are seen; their nodes get ``meta["tread_checkpoint"]`` and the
-    rewrite pass calls them through checkpointing again.
-    """
-    import torch.utils.checkpoint as ckpt
-
-    original = ckpt.checkpoint
-
-    def plain(function, *args, use_reentrant=None, **kwargs):
-        for key in ("preserve_rng_state", "determinism_check", "debug", "context_fn"):
-            kwargs.pop(key, None)
-        if tracer.running_eager:
-            return original(function, *args, use_reentrant=use_reentrant, **kwargs)
-        tracer.checkpointed.add(id(getattr(function, "__self__", function)))
-        return function(*args, **kwargs)
-
-    owners = [m for m in model.modules() if "_gradient_checkpointing_func" in m.__dict__]
-    saved = [m.__dict__["_gradient_checkpointing_func"] for m in owners]
-    namespaces = {id(ns): ns for ns in _module_namespaces(model)}.values()
-    imported = [(ns, k) for ns in namespaces for k, v in list(ns.items()) if v is original]
-    ckpt.checkpoint = plain
-    for m in owners:
-        m.__dict__["_gradient_checkpointing_func"] = plain
-    for ns, key in imported:  # `from torch.utils.checkpoint import checkpoint`
-        ns[key] = plain
-    try:
-        yield
-    finally:
-        ckpt.checkpoint = original
-        for m, fn in zip(owners, saved):
-            m.__dict__["_gradient_checkpointing_func"] = fn
-        for ns, key in imported:
-            ns[key] = original
-
-
-def _python_modules(model: nn.Module) -> list[types.ModuleType]:
-    """The Python modules defining the model's classes."""
-    names = {type(m).__module__ for m in model.modules()}
-    return [sys.modules[n] for n in sorted(names) if n in sys.modules]
-
-
-def _module_namespaces(model: nn.Module) -> list[dict]:
-    """Global namespaces of the Python modules defining the model's classes."""
-    return [vars(module) for module in _python_modules(model)]
-
-
 def _snapshot_buffers(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(b, b.detach().clone()) for b in model.buffers()]
 
@@ -510,7 +405,7 @@ def trace_call(model: nn.Module, args: tuple, kwargs: dict, leaf_paths: set[str]
     flat, in_spec = pytree.tree_flatten((args, kwargs))
     auto_leaves: dict[str, str] = {}
     auto_functions: list = []
-    model_files = {os.path.abspath(inspect.getfile(m)) for m in _python_modules(model)}
+    model_files = {os.path.abspath(inspect.getfile(m)) for m in python_modules(model)}
     while True:
         tensors = [leaf for leaf in flat if isinstance(leaf, torch.Tensor)]
         wrapper_cls = type("FlatCall", (FlatCall,), {"forward": _flat_forward(len(tensors))})
@@ -520,7 +415,7 @@ def trace_call(model: nn.Module, args: tuple, kwargs: dict, leaf_paths: set[str]
         tracer = ValueTracer(paths, example, auto_functions)
         # registered leaf functions called from the model's own forward (called directly,
         # not through Module.__call__, so fx would not look in its globals by itself)
-        tracer._autowrap_search.extend(_python_modules(model))
+        tracer._autowrap_search.extend(python_modules(model))
         tracer._autowrap_search.extend(m for f in auto_functions for m in defining_modules(f))
         try:
             graph = _trace_restoring_state(tracer, wrapper, model, tensors)
@@ -560,8 +455,8 @@ def _trace_restoring_state(
             torch.no_grad(),
             report_grad_mode(tracer, grad_mode),
             factories_take_proxies(tracer),
-            _refuse_python_random(tracer),
-            _checkpoint_as_plain_call(tracer, model),
+            refuse_python_random(tracer),
+            checkpoint_as_plain_call(tracer, model),
         ):
             return tracer.trace(wrapper)
     finally:

@@ -5,6 +5,10 @@
 - :func:`factories_take_proxies`: ``torch.ones(b, n)`` with traced sizes, and every random
   draw, become graph calls.
 - :func:`name_placeholders`: each tensor input's argument name, for rules keyed on it.
+- :func:`refuse_python_random`: Python-level random draws in traced code refuse to be baked in.
+- :func:`checkpoint_as_plain_call`: blocks called through activation checkpointing are traced
+  as plain, marked calls.
+- :class:`DataDependentError` and :func:`user_frame`: what those refusals raise, and where.
 
 Example:
     >>> # used by tread_fx.passes.trace.trace_call
@@ -13,15 +17,32 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import inspect
+import os
+import random
+import sys
+import types
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.fx as fx
+from torch import nn
 from torch.utils import _pytree as pytree
 
-__all__ = ["report_grad_mode", "factories_take_proxies", "name_placeholders"]
+__all__ = [
+    "DataDependentError",
+    "user_frame",
+    "refuse_python_random",
+    "checkpoint_as_plain_call",
+    "python_modules",
+    "module_namespaces",
+    "report_grad_mode",
+    "factories_take_proxies",
+    "name_placeholders",
+]
 
+_PYTHON_RANDOM = ("random", "uniform", "randint", "randrange", "choice", "sample", "shuffle")
 _FACTORIES = (
     "ones", "zeros", "empty", "full", "rand", "randn", "randint", "arange", "tensor", "as_tensor"
 )  # fmt: skip
@@ -87,3 +108,107 @@ def name_placeholders(graph: fx.Graph, call: tuple, positions: tuple[int, ...]) 
         names = [str(getattr(k, "key", getattr(k, "idx", k))) for k in keys]
         is_kwarg = paths[pos][0].idx == 1
         node.meta["tread_input_name"] = names[0] if is_kwarg else f"arg{names[0]}"
+
+
+class DataDependentError(Exception):
+    """Python read tensor data (or drew Python random numbers) while being traced."""
+
+    def __init__(self, what: str, module_path: str | None, where: str) -> None:
+        super().__init__(f"{what} at {where}")
+        self.what = what
+        self.module_path = module_path
+        self.where = where
+
+
+def user_frame() -> str:
+    """Return ``file:line`` of the innermost frame outside torch and tread_fx."""
+    import tread_fx
+
+    skip = (
+        os.path.dirname(torch.__file__) + os.sep,
+        os.path.dirname(os.path.abspath(__file__)) + os.sep,
+        os.path.dirname(os.path.abspath(tread_fx.__file__)) + os.sep,
+    )
+    for frame_info in inspect.stack()[2:]:
+        filename = os.path.abspath(frame_info.filename)
+        if not filename.startswith(skip) and "contextlib" not in filename:
+            return f"{frame_info.filename}:{frame_info.lineno}"
+    return "<unknown location>"
+
+
+@contextlib.contextmanager
+def refuse_python_random(tracer: Any) -> Iterator[None]:
+    """Make Python-level random draws made by traced (not eager) code refuse to be baked in."""
+    originals = {name: getattr(random, name) for name in _PYTHON_RANDOM}
+
+    def guard(name: str):
+        def draw(*args: Any, **kwargs: Any) -> Any:
+            if not tracer.running_eager:
+                stack = tracer.module_stack
+                raise DataDependentError(
+                    f"Python-level randomness (random.{name})",
+                    stack[-1] if stack else None,
+                    user_frame(),
+                )
+            return originals[name](*args, **kwargs)
+
+        return draw
+
+    try:
+        for name in _PYTHON_RANDOM:
+            setattr(random, name, guard(name))
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(random, name, fn)
+
+
+@contextlib.contextmanager
+def checkpoint_as_plain_call(tracer: Any, model: nn.Module) -> Iterator[None]:
+    """Trace blocks called through activation checkpointing as plain, marked calls.
+
+    ``torch.utils.checkpoint.checkpoint(block, *args)`` and diffusers'
+    ``self._gradient_checkpointing_func(block, *args)`` become ``block(*args)`` while
+    tracing, so the blocks are seen; their nodes get ``meta["tread_checkpoint"]`` and the
+    rewrite pass calls them through checkpointing again.
+    """
+    import torch.utils.checkpoint as ckpt
+
+    original = ckpt.checkpoint
+
+    def plain(function, *args, use_reentrant=None, **kwargs):
+        for key in ("preserve_rng_state", "determinism_check", "debug", "context_fn"):
+            kwargs.pop(key, None)
+        if tracer.running_eager:
+            return original(function, *args, use_reentrant=use_reentrant, **kwargs)
+        tracer.checkpointed.add(id(getattr(function, "__self__", function)))
+        return function(*args, **kwargs)
+
+    owners = [m for m in model.modules() if "_gradient_checkpointing_func" in m.__dict__]
+    saved = [m.__dict__["_gradient_checkpointing_func"] for m in owners]
+    namespaces = {id(ns): ns for ns in module_namespaces(model)}.values()
+    imported = [(ns, k) for ns in namespaces for k, v in list(ns.items()) if v is original]
+    ckpt.checkpoint = plain
+    for m in owners:
+        m.__dict__["_gradient_checkpointing_func"] = plain
+    for ns, key in imported:  # `from torch.utils.checkpoint import checkpoint`
+        ns[key] = plain
+    try:
+        yield
+    finally:
+        ckpt.checkpoint = original
+        for m, fn in zip(owners, saved):
+            m.__dict__["_gradient_checkpointing_func"] = fn
+        for ns, key in imported:
+            ns[key] = original
+
+
+def python_modules(model: nn.Module) -> list[types.ModuleType]:
+    """The Python modules defining the model's classes."""
+    names = {type(m).__module__ for m in model.modules()}
+    return [sys.modules[n] for n in sorted(names) if n in sys.modules]
+
+
+def module_namespaces(model: nn.Module) -> list[dict]:
+    """Global namespaces of the Python modules defining the model's classes."""
+    return [vars(module) for module in python_modules(model)]

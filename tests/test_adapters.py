@@ -7,8 +7,8 @@ import torch
 
 import tread_fx
 from tread_fx.adapters import Adapter, adapters, register_adapter, unregister_adapter
+from tread_fx.adapters.token_tables import take_rows
 from tread_fx.errors import SideInputError
-from tread_fx.token_tables import take_rows
 
 N, D = 16, 16
 

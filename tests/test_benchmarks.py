@@ -152,10 +152,10 @@ def test_entry_point_compiled_mode_on_a_tiny_dit(tmp_path):
 def test_scatter_re_enters_contiguous_unless_every_token_is_written_back():
     base = torch.randn(2, 8, 6).transpose(1, 2)  # [2, 6, 8], a transposed stream like timm's
     some = torch.tensor([[0, 2, 5], [1, 3, 4]])
-    out = tread_fx.ops.scatter_tokens(base, torch.randn(2, 3, 8), some)
+    out = tread_fx.runtime.ops.scatter_tokens(base, torch.randn(2, 3, 8), some)
     assert out.is_contiguous()
     every = torch.arange(6).expand(2, 6)
-    kept_all = tread_fx.ops.scatter_tokens(base, base.clone(), every)
+    kept_all = tread_fx.runtime.ops.scatter_tokens(base, base.clone(), every)
     assert kept_all.stride() == base.stride() and torch.equal(kept_all, base)
 
 

@@ -15,11 +15,11 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import tread_fx
-from tread_fx.flops import FLOP_FORMULAS
-from tread_fx.inputs import example_inputs
+from tread_fx.inspection.flops import FLOP_FORMULAS
+from tread_fx.inspection.inputs import example_inputs
+from tread_fx.inspection.render import to_dot
+from tread_fx.inspection.report import SCHEMA
 from tread_fx.models.mamba import Mamba_S_2
-from tread_fx.render import to_dot
-from tread_fx.report import SCHEMA
 
 MAMBA = dict(input_size=8, in_channels=1, num_classes=10, depth=4, hidden_size=32)
 

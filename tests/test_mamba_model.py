@@ -19,7 +19,6 @@ from tread_fx.models.mamba import (
     selective_scan,
     selective_scan_torch,
 )
-from tread_fx.registry import leaf_functions
 
 TINY = dict(input_size=8, in_channels=1, num_classes=10, depth=4, hidden_size=32)
 
@@ -110,8 +109,14 @@ def test_selective_scan_low_precision_inputs_compute_in_float32():
     torch.testing.assert_close(y.double(), expected, rtol=2e-2, atol=2e-2)
 
 
-def test_selective_scan_is_registered_leaf():
-    assert selective_scan in leaf_functions()
+def test_selective_scan_is_traced_as_one_node():
+    # plain PyTorch (torch.fx.wrap in the model file): no tread_fx registration needed
+    from tread_fx.passes.trace import trace_call
+
+    model = Mamba_S_2(**TINY)
+    x, t, y = torch.randn(2, 1, 8, 8), torch.rand(2), torch.tensor([1, 2])
+    nodes = trace_call(model, (x, t, y), {}, set()).gm.graph.nodes
+    assert sum(n.target is selective_scan for n in nodes) == 2 * TINY["depth"]
 
 
 def test_selective_scan_is_causal():

@@ -16,7 +16,7 @@ import pytest
 from conftest import dit_inputs, tiny_dit
 
 import tread_fx
-from tread_fx.render import to_html, to_svg
+from tread_fx.inspection.render import to_html, to_svg
 
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 CHROMIUM_FLAGS = (

@@ -14,7 +14,6 @@ from tread_fx.models.rwkv import (
     bi_wkv,
     q_shift,
 )
-from tread_fx.registry import leaf_functions
 
 TINY = dict(input_size=8, in_channels=1, num_classes=10, depth=4, hidden_size=32)
 
@@ -116,8 +115,14 @@ def test_bi_wkv_divides_decay_by_current_length():
     torch.testing.assert_close(out[0, n - 1, 0].item(), (weights[n - 1] / weights.sum()).item())
 
 
-def test_bi_wkv_is_a_registered_leaf():
-    assert bi_wkv in leaf_functions()
+def test_bi_wkv_is_traced_as_one_node():
+    # plain PyTorch (torch.fx.wrap in the model file): no tread_fx registration needed
+    from tread_fx.passes.trace import trace_call
+
+    model = RWKV_S_2(**TINY)
+    x, t, y = torch.randn(2, 1, 8, 8), torch.rand(2), torch.tensor([1, 2])
+    nodes = trace_call(model, (x, t, y), {}, set()).gm.graph.nodes
+    assert sum(n.target is bi_wkv for n in nodes) == 1 * TINY["depth"]
 
 
 # --------------------------------------------------------------------------------------- q-shift

@@ -8,8 +8,8 @@ from conftest import randomize_zero_init
 
 import tread_fx
 from tread_fx.models import mamba, rwkv
-from tread_fx.ops import gather_tokens
-from tread_fx.selection import select_random, select_rows
+from tread_fx.runtime.ops import gather_tokens
+from tread_fx.runtime.selection import select_random, select_rows
 
 FACTORIES = {"mamba": mamba.Mamba_S_2, "rwkv": rwkv.RWKV_S_2}
 GRID = (4, 4)  # 8x8 input, patch 2

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from tread_fx.config import RoutingConfig, resolve_config
 from tread_fx.errors import (
     AlreadyRoutedError,
     InvalidRateError,
@@ -35,12 +36,10 @@ from tread_fx.errors import (
     TreadFxError,
     WrappedModelError,
 )
-from tread_fx.ops import routed_mask
-from tread_fx.passes.locate import candidate_stacks, resolve_block_lists
 from tread_fx.passes.rewrite import Reinsert
-from tread_fx.pipeline import Built, RoutingConfig, build
-from tread_fx.routes import Route, parse_routes, resolve_routes
-from tread_fx.selection import get_strategy
+from tread_fx.pipeline import Built, build
+from tread_fx.routes import Route
+from tread_fx.runtime.ops import routed_mask
 
 __all__ = ["route", "unroute", "route_info", "is_routed", "routed_graphs", "RouteInfo"]
 
@@ -222,26 +221,6 @@ def _check_unwrapped(model: Any) -> None:
         )
 
 
-def _check_depth_up_front(model: nn.Module, config: RoutingConfig) -> None:
-    """Validate routes against the block stack when it is known without tracing."""
-    paths = resolve_block_lists(model, config.blocks)
-    if config.blocks is None:
-        stacks = candidate_stacks(model)
-        if not stacks:
-            from tread_fx.errors import BlockStackNotFoundError
-
-            raise BlockStackNotFoundError(
-                f"{type(model).__name__} has no ModuleList/Sequential of same-class modules to "
-                "route around; pass blocks='<attribute path>' naming the block container."
-            )
-        longest = max(len(m) for m in stacks.values())
-        paths = [p for p, m in stacks.items() if len(m) == longest]
-        if len(paths) > 1:
-            return  # decided by data flow at trace time
-    depth = sum(len(model.get_submodule(p)) for p in paths)
-    resolve_routes(config.routes, depth, config.rate)
-
-
 def route(
     model: nn.Module,
     routes: Any,
@@ -308,20 +287,19 @@ def route(
                 "first, or pass reroute=True to replace its routing."
             )
         unroute(model)
-    get_strategy(selection)
-    config = RoutingConfig(
-        parse_routes(routes, rate),
+    config = resolve_config(
+        model,
+        routes,
         rate,
-        selection,
-        blocks,
-        keep_prefix,
-        grid,
-        strict,
-        reinsert or Reinsert(),
-        share_selection,
-        fp32_reentry,
+        selection=selection,
+        blocks=blocks,
+        keep_prefix=keep_prefix,
+        strict=strict,
+        grid=grid,
+        reinsert=reinsert,
+        share_selection=share_selection,
+        fp32_reentry=fp32_reentry,
     )
-    _check_depth_up_front(model, config)
     state = _RoutingState(config, seed, compile, _check_probability(routing_probability))
     if example_inputs is not None:
         args, kwargs = _split_example(example_inputs)

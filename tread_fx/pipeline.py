@@ -5,9 +5,10 @@
 
 Example:
     >>> import torch, tread_fx
-    >>> from tread_fx.pipeline import RoutingConfig, build
+    >>> from tread_fx.config import resolve_config
+    >>> from tread_fx.pipeline import build
     >>> model = tread_fx.models.DiT_S_2(input_size=8, in_channels=1, num_classes=10, depth=4)
-    >>> cfg = RoutingConfig(routes=tread_fx.routes.parse_routes([(1, 3)], 0.5))
+    >>> cfg = resolve_config(model, [(1, 3)], 0.5)
     >>> args = (torch.randn(2, 1, 8, 8), torch.rand(2), torch.tensor([1, 2]))
     >>> built = build(model, args, {}, cfg)
     >>> [p.kept_tokens for p in built.plans]
@@ -17,37 +18,20 @@ Example:
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch.fx as fx
 from torch import nn
 
+from tread_fx.config import RoutingConfig
 from tread_fx.errors import SelectionError, SideInputError
 from tread_fx.passes.locate import StreamInfo, block_leaf_paths, locate, resolve_block_lists
 from tread_fx.passes.plan import RoutePlan, plan_route
-from tread_fx.passes.rewrite import Reinsert, append_route_outputs, rewrite_route
+from tread_fx.passes.rewrite import append_route_outputs, rewrite_route
 from tread_fx.passes.trace import TracedCall, trace_call
-from tread_fx.routes import Route, resolve_routes
-from tread_fx.selection import get_strategy
+from tread_fx.routes import Route
 
-__all__ = ["RoutingConfig", "Built", "build", "find_grid"]
-
-
-@dataclass
-class RoutingConfig:
-    """Everything ``route()`` was asked for (validated), shared by every trace."""
-
-    routes: list[Route]
-    rate: float = 0.5
-    selection: str = "random"
-    blocks: Any = None
-    keep_prefix: int | None = None
-    grid: tuple[int, int] | None = None
-    strict: bool = True
-    reinsert: Reinsert = field(default_factory=Reinsert)
-    share_selection: bool | None = None
-    fp32_reentry: bool = False
+__all__ = ["Built", "build", "find_grid"]
 
 
 @dataclass
@@ -95,7 +79,7 @@ def _grid_for(model: nn.Module, config: RoutingConfig, info: StreamInfo) -> tupl
             f"grid={grid} was given, but the token stream has {routable} routable tokens "
             f"({info.num_tokens} minus {info.prefix} prefix); H * W must equal that."
         )
-    if grid is None and get_strategy(config.selection).needs_grid:
+    if grid is None and config.strategy.needs_grid:
         raise SelectionError(
             f"selection={config.selection!r} needs the patch grid, but none with H * W == "
             f"{routable} was found on {type(model).__name__} (no grid_size attribute); pass "
@@ -134,11 +118,13 @@ def build(model: nn.Module, args: tuple, kwargs: dict, config: RoutingConfig) ->
         A :class:`Built` whose GraphModule takes the call's tensors followed by one noise
         tensor per route and returns the model's flat outputs followed by the kept ids.
     """
-    list_paths = resolve_block_lists(model, config.blocks)
+    list_paths = config.block_lists
+    if list_paths is None:
+        list_paths = resolve_block_lists(model, config.blocks)
     traced = trace_call(model, args, kwargs, block_leaf_paths(model, list_paths))
     info = locate(traced, model, list_paths, config.blocks is not None, config.keep_prefix)
-    routes = resolve_routes(config.routes, info.depth, config.rate)
-    strategy = get_strategy(config.selection)
+    routes = config.routes_for(info.depth)
+    strategy = config.strategy
     grid = _grid_for(model, config, info)
     embedded = info.blocks[0].stream_in
     plans, idx_nodes = [], []

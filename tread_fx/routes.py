@@ -10,7 +10,7 @@ Example:
     >>> from tread_fx.routes import Route, parse_routes, resolve_routes
     >>> routes = parse_routes([(2, -2), {"selection_ratio": 0.25, "start_layer_idx": 0,
     ...                                   "end_layer_idx": 1}], rate=0.5)
-    >>> [(r.start, r.end, r.rate) for r in resolve_routes(routes, depth=12)]
+    >>> [(r.start, r.end, r.rate) for r in resolve_routes(routes, depth=12, rate=0.5)]
     [(0, 2, 0.25), (2, 10, 0.5)]
 """
 

@@ -8,11 +8,11 @@ Usage::
 
 MODEL is ``package.module:factory`` (``factory`` may be a dotted attribute path); the factory is
 called with ``--model-kwargs`` (JSON). Example inputs come from ``--input-shape`` or from the
-model's attributes (see :mod:`tread_fx.inputs`). Exit status: 0 on success, 1 when the model
-cannot be explained (the message says why), 2 for bad command lines.
+model's attributes (see :mod:`tread_fx.inspection.inputs`). Exit status: 0 on success, 1 when
+the model cannot be explained (the message says why), 2 for bad command lines.
 
 Example:
-    >>> from tread_fx.cli import parse_route_specs
+    >>> from tread_fx.inspection.cli import parse_route_specs
     >>> parse_route_specs(["2:9", "10:12:0.25"])
     [(2, 9), (10, 12, 0.25)]
 """
@@ -205,7 +205,7 @@ def _use_color(choice: str, out: str | None) -> bool:
 
 
 def _render(exp: Any, args: argparse.Namespace) -> str:
-    from tread_fx import render
+    from tread_fx.inspection import render
 
     fmt = args.format
     if fmt == "text":
@@ -231,8 +231,8 @@ def _diff_text(exp: Any) -> str:
 def _run(args: argparse.Namespace) -> str:
     import torch
 
-    from tread_fx.explain import explain
-    from tread_fx.inputs import example_inputs
+    from tread_fx.inspection.explain import explain
+    from tread_fx.inspection.inputs import example_inputs
 
     torch.manual_seed(args.seed)
     model = load_model(args.model, _json_kwargs(args.model_kwargs))

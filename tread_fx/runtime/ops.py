@@ -5,7 +5,7 @@ so ``torch.compile(fullgraph=True)`` compiles them without graph breaks.
 
 Example:
     >>> import torch
-    >>> from tread_fx.ops import gather_tokens, scatter_tokens
+    >>> from tread_fx.runtime.ops import gather_tokens, scatter_tokens
     >>> x = torch.arange(12.0).view(1, 6, 2)
     >>> idx = torch.tensor([[1, 4]])
     >>> gather_tokens(x, idx)[0, :, 0].tolist()

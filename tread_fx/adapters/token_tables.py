@@ -21,7 +21,7 @@ tokens), and ``trail`` rows after the token rows (always kept).
 
 Example:
     >>> import torch
-    >>> from tread_fx.token_tables import take_rows
+    >>> from tread_fx.adapters.token_tables import take_rows
     >>> table = torch.arange(6.0).view(6, 1)          # 2 text rows, then 4 image rows
     >>> idx = torch.tensor([[0, 3], [1, 2]])          # kept image tokens (per sample)
     >>> take_rows(table, idx[:1].expand(2, 2), dims=(0,), lead=2, skip=0, trail=0,
@@ -32,15 +32,12 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.fx as fx
 
-from tread_fx.passes.trace import TensorMeta
-
-if TYPE_CHECKING:
-    from tread_fx.adapters import SideValue
+from tread_fx.adapters.values import SideValue, TensorMeta
 
 __all__ = [
     "RowMap",

@@ -7,7 +7,7 @@ its trace cache on exactly these), and to the shape-derived Python values the tr
 
 Example:
     >>> import torch
-    >>> from tread_fx.guards import signature_guards
+    >>> from tread_fx.inspection.guards import signature_guards
     >>> lin = torch.nn.Linear(4, 4)
     >>> [str(g) for g in signature_guards(lin, (torch.randn(2, 4),), {})][0]
     'input     input = Tensor[2, 4] float32 cpu'

@@ -1,44 +1,21 @@
-"""Side-input adapters: how a value entering a routed region is made to fit the kept tokens.
+"""The built-in side-input rules, as one table, in the order they are consulted.
 
-The plan pass classifies every value that enters a routed region. The token stream and
-values that are clearly versions of it are gathered automatically. Everything else is asked
-of this registry, in order: the first adapter whose ``matches`` accepts the value decides.
-An adapter is keyed on what the block receives — the argument name (positional arguments
-are named by the block's signature), the block class, the value's shape relative to the
-stream — never on the model's name. User adapters are consulted before the built-in ones.
-
-An adapter's ``action`` is ``"gather"`` (keep the same tokens along the stream's token dim),
-``"pass"`` (leave untouched), or a function ``fn(value, kept_idx, **layout, **options)``
-that the rewrite pass inserts into the graph (it runs on every step, so it must be pure
-tensor code); ``options(side)`` adds keyword arguments decided at plan time, and
-``shares_selection=True`` makes the route's selection the same for every sample.
-
-Built-in rules, in the order they are consulted (each ``doc`` says what it assumes):
+Each rule is an :class:`~tread_fx.adapters.registry.Adapter`; its ``doc`` says what it
+assumes. The registry consults user adapters first, then these:
 ``conditioning-by-name``, ``rope-timm-eva``, ``rope-per-sample``, ``rope-batch-shared``,
 ``attention-mask``, ``attention-mask-shared``, ``position-ids``, ``position-ids-shared``,
 ``stream-derived``, ``residual``.
 
 Example:
-    >>> import tread_fx
-    >>> from tread_fx.adapters import Adapter, register_adapter, unregister_adapter
-    >>> mine = register_adapter(Adapter(
-    ...     name="my-pos-table",
-    ...     matches=lambda side: side.arg_names == {"my_pos"},
-    ...     action="gather",
-    ...     doc="my_pos is [B, N, d], one row per token.",
-    ... ))
-    >>> unregister_adapter(mine)
+    >>> from tread_fx.adapters.rules import BUILTIN_ADAPTERS
+    >>> [a.name for a in BUILTIN_ADAPTERS][:2]
+    ['conditioning-by-name', 'rope-timm-eva']
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
-
-import torch.fx as fx
-
-from tread_fx.token_tables import (
+from tread_fx.adapters.registry import Adapter, SideValue
+from tread_fx.adapters.token_tables import (
     RowMap,
     batch_dim_of,
     explain_rows,
@@ -48,144 +25,13 @@ from tread_fx.token_tables import (
     tensor_metas,
 )
 
-__all__ = [
-    "SideValue",
-    "Adapter",
-    "register_adapter",
-    "unregister_adapter",
-    "adapters",
-    "StreamLayout",
-]
-
-
-@dataclass(frozen=True)
-class StreamLayout:
-    """Layout of the token stream at a route's start, as adapters see it."""
-
-    batch_dim: int
-    token_dim: int
-    batch_size: int
-    num_tokens: int
-    prefix: int
-    grid: tuple[int, int] | None
-
-
-@dataclass(frozen=True)
-class SideValue:
-    """A value entering a routed region, as seen by adapters.
-
-    Attributes:
-        node: The graph node.
-        meta: ``TensorMeta`` of the value (or a tuple of them, or a Python value).
-        arg_names: Names under which blocks in the region receive it (kwarg names, or
-            ``"arg{i}"`` for positional arguments).
-        block_classes: Classes of the blocks in the region that receive it directly.
-        stream: The stream layout.
-        token_aligned: Its shape has the batch and token sizes at the stream's dims.
-        from_stream: It is computed from the model's first input (a version of the stream).
-        combined_with_stream: A region op combines it elementwise with a region value.
-    """
-
-    node: fx.Node
-    meta: Any
-    arg_names: frozenset[str]
-    block_classes: frozenset[type]
-    stream: StreamLayout
-    token_aligned: bool
-    from_stream: bool
-    combined_with_stream: bool
-
-    def dims_of_size(self, size: int) -> list[int]:
-        """Dims (other than batch) of the value whose size is ``size``."""
-        shape = getattr(self.meta, "shape", ())
-        return [d for d, s in enumerate(shape) if s == size and d != self.stream.batch_dim]
-
-
-@dataclass(frozen=True)
-class Adapter:
-    """A rule for side values: what it matches and what to do with it.
-
-    Attributes:
-        name: Shown by ``explain`` and in the plan's reasons.
-        matches: ``matches(side) -> bool``.
-        action: ``"gather"``, ``"pass"``, or ``fn(value, kept_idx, **layout, **options)``.
-        doc: What the rule assumes about the values it matches.
-        builtin: Whether tread_fx registered it.
-        options: ``options(side) -> dict`` of extra keyword arguments for a function
-            action, decided at plan time (e.g. which dims hold token rows).
-        shares_selection: The action only works if every sample keeps the same tokens
-            (batch-shared tables): routes that this value enters share their selection
-            across the batch.
-        diagnose: ``diagnose(side) -> str | None``: for a value the rule is meant for but
-            cannot handle, why (added to strict mode's refusal).
-    """
-
-    name: str
-    matches: Callable[[SideValue], bool]
-    action: str | Callable[..., Any]
-    doc: str = ""
-    builtin: bool = field(default=False, compare=False)
-    options: Callable[[SideValue], dict[str, Any]] | None = field(default=None, compare=False)
-    shares_selection: bool = False
-    diagnose: Callable[[SideValue], str | None] | None = field(default=None, compare=False)
-
-
-_ADAPTERS: list[Adapter] = []
-
-
-def register_adapter(adapter: Adapter, *, first: bool = True) -> Adapter:
-    """Register an adapter; by default it is consulted before the built-in ones.
-
-    Example:
-        >>> from tread_fx.adapters import Adapter, register_adapter, unregister_adapter
-        >>> a = register_adapter(Adapter("ctx", lambda s: "ctx" in s.arg_names, "pass"))
-        >>> unregister_adapter(a)
-    """
-    if first:
-        _ADAPTERS.insert(0, adapter)
-    else:
-        _ADAPTERS.append(adapter)
-    return adapter
-
-
-def unregister_adapter(adapter: Adapter | str) -> None:
-    """Remove an adapter (or every adapter with that name) from the registry.
-
-    Example:
-        >>> from tread_fx.adapters import Adapter, register_adapter, unregister_adapter
-        >>> unregister_adapter(register_adapter(Adapter("tmp", lambda s: False, "pass")))
-    """
-    name = adapter if isinstance(adapter, str) else None
-    _ADAPTERS[:] = [a for a in _ADAPTERS if not (a is adapter or a.name == name)]
-
-
-def adapters() -> tuple[Adapter, ...]:
-    """Return the registered adapters in the order they are consulted."""
-    return tuple(_ADAPTERS)
-
-
-# -- built-in adapters ------------------------------------------------------------------------
+__all__ = ["BUILTIN_ADAPTERS"]
 
 _CONTEXT_NAMES = frozenset(
     {"encoder_hidden_states", "context", "cond", "condition", "c", "y", "temb", "timestep",
      "encoder_attention_mask", "text_embeds", "pooled_projections", "added_cond_kwargs"}
 )  # fmt: skip
 
-
-register_adapter(
-    Adapter(
-        name="conditioning-by-name",
-        matches=lambda side: bool(side.arg_names) and side.arg_names <= _CONTEXT_NAMES,
-        action="pass",
-        doc=(
-            "Values that blocks receive only under conditioning/context argument names "
-            "(encoder_hidden_states, context, c, temb, ...) are per-sample or text-token "
-            "values, not image tokens: passed through even when their length equals N."
-        ),
-        builtin=True,
-    ),
-    first=False,
-)
 
 _ROTARY_NAMES = frozenset(
     {"image_rotary_emb", "rotary_emb", "rotary_pos_emb", "rope", "rot_pos_embed", "rope_emb",
@@ -265,7 +111,30 @@ def _eva_rope(side: SideValue) -> RowMap | None:
     return rows if fits and rows.dims == (len(metas[0].shape) - 2,) else None
 
 
-register_adapter(
+_POSITION_NAMES = frozenset({"position_ids", "cache_position", "pos_ids", "positions"})
+
+
+def _position_rows(side: SideValue, per_sample: bool) -> RowMap | None:
+    if not _received_as(side, _POSITION_NAMES):
+        return None
+    is_table, batch = _table_batch(side)
+    if not is_table or (batch is not None) != per_sample:
+        return None
+    return find_rows(side, batch=batch, features_last=False, all_dims=False)
+
+
+BUILTIN_ADAPTERS: tuple[Adapter, ...] = (
+    Adapter(
+        name="conditioning-by-name",
+        matches=lambda side: bool(side.arg_names) and side.arg_names <= _CONTEXT_NAMES,
+        action="pass",
+        doc=(
+            "Values that blocks receive only under conditioning/context argument names "
+            "(encoder_hidden_states, context, c, temb, ...) are per-sample or text-token "
+            "values, not image tokens: passed through even when their length equals N."
+        ),
+        builtin=True,
+    ),
     Adapter(
         name="rope-timm-eva",
         matches=lambda side: _eva_rope(side) is not None,
@@ -281,10 +150,6 @@ register_adapter(
         ),
         builtin=True,
     ),
-    first=False,
-)
-
-register_adapter(
     Adapter(
         name="rope-per-sample",
         matches=lambda side: _rope_rows(side, per_sample=True) is not None,
@@ -299,10 +164,6 @@ register_adapter(
         ),
         builtin=True,
     ),
-    first=False,
-)
-
-register_adapter(
     Adapter(
         name="rope-batch-shared",
         matches=lambda side: _rope_rows(side, per_sample=False) is not None,
@@ -321,10 +182,6 @@ register_adapter(
         ),
         builtin=True,
     ),
-    first=False,
-)
-
-register_adapter(
     Adapter(
         name="attention-mask",
         matches=lambda side: _mask_rows(side, per_sample=True) is not None,
@@ -339,10 +196,6 @@ register_adapter(
         ),
         builtin=True,
     ),
-    first=False,
-)
-
-register_adapter(
     Adapter(
         name="attention-mask-shared",
         matches=lambda side: _mask_rows(side, per_sample=False) is not None,
@@ -357,22 +210,6 @@ register_adapter(
         ),
         builtin=True,
     ),
-    first=False,
-)
-
-_POSITION_NAMES = frozenset({"position_ids", "cache_position", "pos_ids", "positions"})
-
-
-def _position_rows(side: SideValue, per_sample: bool) -> RowMap | None:
-    if not _received_as(side, _POSITION_NAMES):
-        return None
-    is_table, batch = _table_batch(side)
-    if not is_table or (batch is not None) != per_sample:
-        return None
-    return find_rows(side, batch=batch, features_last=False, all_dims=False)
-
-
-register_adapter(
     Adapter(
         name="position-ids",
         matches=lambda side: _position_rows(side, per_sample=True) is not None,
@@ -384,10 +221,6 @@ register_adapter(
         ),
         builtin=True,
     ),
-    first=False,
-)
-
-register_adapter(
     Adapter(
         name="position-ids-shared",
         matches=lambda side: _position_rows(side, per_sample=False) is not None,
@@ -400,10 +233,6 @@ register_adapter(
         ),
         builtin=True,
     ),
-    first=False,
-)
-
-register_adapter(
     Adapter(
         name="stream-derived",
         matches=lambda side: side.token_aligned and side.from_stream,
@@ -414,10 +243,6 @@ register_adapter(
         ),
         builtin=True,
     ),
-    first=False,
-)
-
-register_adapter(
     Adapter(
         name="residual",
         matches=lambda side: side.token_aligned and side.combined_with_stream,
@@ -428,5 +253,4 @@ register_adapter(
         ),
         builtin=True,
     ),
-    first=False,
 )

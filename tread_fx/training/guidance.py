@@ -21,7 +21,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,7 +29,7 @@ from torch.utils import _pytree as pytree
 
 from tread_fx.api import _state, is_routed
 from tread_fx.errors import InvalidRateError
-from tread_fx.routes import check_rate, parse_routes
+from tread_fx.routes import check_rate
 
 __all__ = ["force_routing", "sparse_guidance"]
 
@@ -51,13 +50,8 @@ def force_routing(model: nn.Module, rate: float | None = None, routes: Any = Non
         ...     pass
     """
     state = _state(model, "force_routing")
-    base = state.config
-    rate = base.rate if rate is None else check_rate(rate)
-    parsed = base.routes if routes is None else parse_routes(routes, rate)
-    if routes is None and rate != base.rate:  # same routes, new rate (per-route rates too)
-        parsed = [dataclasses.replace(r, rate=rate) for r in parsed]
     previous = state.forced
-    state.forced = dataclasses.replace(base, routes=parsed, rate=rate)
+    state.forced = state.config.at_rate(rate, routes)
     try:
         yield model
     finally:

@@ -19,167 +19,43 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
-import json
 import warnings
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.utils import _pytree as pytree
 
+from tread_fx.config import RoutingConfig, resolve_config
 from tread_fx.errors import SideInputError
-from tread_fx.flops import Cost, GraphProfile, block_nodes, fake_shapes, profile_graph
-from tread_fx.graphdiff import GraphDiff, diff_graphs, module_path, shape_of, target_name
-from tread_fx.guards import (
+from tread_fx.inspection.explanation import (
+    BlockReport,
+    Explanation,
+    FlopReport,
+    InsertedNode,
+    RouteReport,
+    SideInput,
+)
+from tread_fx.inspection.flops import block_nodes, fake_shapes, module_arg_index, profile_graph
+from tread_fx.inspection.graphdiff import diff_graphs, module_path, shape_of, target_name
+from tread_fx.inspection.guards import (
     Guard,
     input_names,
     recording_specialisations,
     signature_guards,
     specialisation_guards,
 )
-from tread_fx.inputs import example_inputs as make_example_inputs
-from tread_fx.passes.locate import (
-    BlockCall,
-    block_leaf_paths,
-    candidate_stacks,
-    input_slots,
-)
+from tread_fx.inspection.inputs import example_inputs as make_example_inputs
+from tread_fx.passes.locate import BlockCall, block_leaf_paths, candidate_stacks, input_slots
 from tread_fx.passes.plan import Crossing
 from tread_fx.passes.rewrite import Reinsert
 from tread_fx.passes.trace import trace_call
-from tread_fx.pipeline import Built, RoutingConfig, build
-from tread_fx.routes import parse_routes
-from tread_fx.selection import get_strategy
+from tread_fx.pipeline import Built, build
 
 __all__ = ["explain", "Explanation", "RouteReport", "BlockReport", "SideInput", "FlopReport"]
-
-SCHEMA_VERSION = "tread_fx.explain/1"
-
-
-@dataclass
-class SideInput:
-    """A value crossing a route's boundary and how the rewrite treats it."""
-
-    name: str
-    direction: str  # "in" or "out"
-    shape: Any
-    source: str
-    received_as: list[str]
-    treatment: str  # gathered | scattered back | passed through | refused | adapted (fn)
-    reason: str
-
-
-@dataclass
-class InsertedNode:
-    """A node the rewrite added for a route."""
-
-    name: str
-    role: str
-    target: str
-    shape: Any
-    inputs: list[str]
-
-
-@dataclass
-class RouteReport:
-    """One route: its blocks, token counts, inserted nodes and boundary values."""
-
-    index: int
-    start: int
-    end: int
-    rate: float
-    num_tokens: int
-    kept_tokens: int
-    prefix: int
-    units: int
-    keep_units: int
-    inserted: list[InsertedNode]
-    side_inputs: list[SideInput]
-    region: list[str] = field(default_factory=list)
-
-
-@dataclass
-class BlockReport:
-    """One block call: token counts and costs in both graphs."""
-
-    index: int
-    path: str
-    cls: str
-    route: int | None
-    tokens_original: int
-    tokens_routed: int
-    original: Cost | None = None
-    routed: Cost | None = None
-    node_original: str = ""
-    node_routed: str = ""
-
-
-@dataclass
-class FlopReport:
-    """Whole-graph costs, the part outside the blocks, and the predicted speed-up."""
-
-    original: Cost
-    routed: Cost
-    outside_original: Cost
-    outside_routed: Cost
-
-    @property
-    def speedup(self) -> float:
-        """Original / routed FLOPs of one training step (forward + backward)."""
-        return self.original.flops / max(self.routed.flops, 1)
-
-    @property
-    def forward_speedup(self) -> float:
-        """Original / routed forward FLOPs."""
-        return self.original.forward.flops / max(self.routed.forward.flops, 1)
-
-    def aten_delta(self) -> dict[str, int]:
-        """Forward ATen op counts routed minus original (inserted ops are positive)."""
-        a, b = self.original.forward.ops, self.routed.forward.ops
-        delta = {op: b.get(op, 0) - a.get(op, 0) for op in set(a) | set(b)}
-        return {op: d for op, d in sorted(delta.items()) if d}
-
-
-@dataclass
-class Explanation:
-    """The structured result of :func:`explain`; ``str()`` is the readable report."""
-
-    model: str
-    stacks: list[dict[str, Any]]
-    candidates: list[str]
-    stream: dict[str, Any]
-    routes: list[RouteReport]
-    blocks: list[BlockReport]
-    flops: FlopReport | None
-    guards: list[Guard]
-    auto_leaves: dict[str, str]
-    diff: GraphDiff
-    refusal: str | None = None
-    input_names: dict[str, str] = field(default_factory=dict)
-    original_graph: fx.GraphModule | None = field(default=None, repr=False)
-    routed_graph: fx.GraphModule | None = field(default=None, repr=False)
-    profiles: tuple[GraphProfile, GraphProfile] | None = field(default=None, repr=False)
-
-    def report(self, color: bool = False) -> str:
-        """The text report (ANSI-coloured when ``color``)."""
-        from tread_fx.report import format_report
-
-        return format_report(self, color=color)
-
-    def __str__(self) -> str:
-        return self.report(color=False)
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict (schema ``tread_fx.explain/1``, see ``tread_fx.report.SCHEMA``)."""
-        from tread_fx.report import to_dict
-
-        return to_dict(self)
-
-    def to_json(self, indent: int | None = 2) -> str:
-        """The :meth:`to_dict` result as JSON text."""
-        return json.dumps(self.to_dict(), indent=indent)
 
 
 # -- building blocks ------------------------------------------------------------------------
@@ -193,7 +69,7 @@ def _build(model: nn.Module, args: tuple, kwargs: dict, config: RoutingConfig) -
         if not config.strict:
             raise
         refusal = str(err)
-    lenient = RoutingConfig(**{**config.__dict__, "strict": False})
+    lenient = dataclasses.replace(config, strict=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return build(model, args, kwargs, lenient), refusal
@@ -277,8 +153,9 @@ def _block_node(gm: fx.GraphModule, path: str) -> fx.Node:
 def _stream_tokens(gm: fx.GraphModule, block: BlockCall, shapes: dict, token_dim: int) -> int:
     node = _block_node(gm, block.path)
     slot = block.in_slot
-    if node.op == "call_function":  # checkpoint(module, *args)
-        slot = ("arg", slot[1] + 1, *slot[2:]) if slot[0] == "arg" else slot
+    index = module_arg_index(node)  # checkpoint(module, *args), call_in_fp32(module, *args)
+    if index is not None and slot[0] == "arg":
+        slot = ("arg", slot[1] + index + 1, *slot[2:])
     value = input_slots(node).get(slot)
     shape = shapes.get(value.name) if value is not None else None
     return shape[token_dim] if isinstance(shape, tuple) and len(shape) > token_dim else -1
@@ -350,6 +227,8 @@ def explain(
     strict: bool = True,
     grid: tuple[int, int] | None = None,
     reinsert: Reinsert | None = None,
+    share_selection: bool | None = None,
+    fp32_reentry: bool = False,
     flops: bool = True,
 ) -> Explanation:
     """Explain what ``route(model, routes, rate, ...)`` would do; the model is not modified.
@@ -359,13 +238,16 @@ def explain(
         routes: Routes as for :func:`tread_fx.route`.
         rate: Fraction of tokens routed around.
         example_inputs: ``args`` or ``(args, kwargs)`` of a training call; default: made by
-            :func:`tread_fx.inputs.example_inputs` from the model's attributes.
+            :func:`tread_fx.inspection.inputs.example_inputs` from the model's attributes.
         selection: ``"random"`` or ``"rows"``.
         blocks: Block container path(s), as for ``route()``.
         keep_prefix: Leading tokens never routed (``None``: detect).
         strict: As for ``route()``; a strict refusal is reported (lenient graph shown).
         grid: Patch grid for ``selection="rows"``.
         reinsert: How routed-around tokens re-enter.
+        share_selection: As for ``route()``: share one selection across the batch where
+            needed (``None``), always (``True``) or never (``False``).
+        fp32_reentry: As for ``route()``: the first block after each route runs in float32.
         flops: Count ATen ops and FLOPs (``make_fx`` on fake tensors); ``False`` is faster.
 
     Returns:
@@ -377,16 +259,18 @@ def explain(
         >>> print(tread_fx.explain(m, [(1, 3)], flops=False).routes[0].kept_tokens)
         8
     """
-    get_strategy(selection)
-    config = RoutingConfig(
-        parse_routes(routes, rate),
+    config = resolve_config(
+        model,
+        routes,
         rate,
-        selection,
-        blocks,
-        keep_prefix,
-        grid,
-        strict,
-        reinsert or Reinsert(),
+        selection=selection,
+        blocks=blocks,
+        keep_prefix=keep_prefix,
+        strict=strict,
+        grid=grid,
+        reinsert=reinsert,
+        share_selection=share_selection,
+        fp32_reentry=fp32_reentry,
     )
     if example_inputs is None:
         example_inputs = make_example_inputs(model)
@@ -411,7 +295,7 @@ def explain(
             for p in built.plans
         ]
         found = (built, original, refusal)
-        return _assemble(model, (args, kwargs), found, guards, names, selection, flops)
+        return _assemble(model, (args, kwargs), found, guards, names, config, flops)
     finally:
         for module, mode in modes:
             module.training = mode
@@ -419,8 +303,6 @@ def explain(
 
 def _placeholder_names(model, args, kwargs, traced) -> dict[str, str]:
     """Map the trace's placeholders (``t0``, ``t1``, ...) to the forward's argument names."""
-    from torch.utils import _pytree as pytree
-
     names = input_names(model, args, kwargs)
     if len(names) != len(pytree.tree_leaves((args, kwargs))):
         return {}
@@ -429,13 +311,11 @@ def _placeholder_names(model, args, kwargs, traced) -> dict[str, str]:
 
 
 def _inputs(traced: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    from torch.utils import _pytree as pytree
-
     flat = pytree.tree_leaves((args, kwargs))
     return [flat[i] for i in traced.tensor_positions]
 
 
-def _assemble(model, call, found, guards, names, selection, flops) -> Explanation:
+def _assemble(model, call, found, guards, names, config, flops) -> Explanation:
     built, original, refusal = found
     tensors = _inputs(original, *call)
     noise = [torch.zeros(p.layout.batch_size, p.units) for p in built.plans]  # shapes only
@@ -481,7 +361,7 @@ def _assemble(model, call, found, guards, names, selection, flops) -> Explanatio
         model=type(model).__name__,
         stacks=stacks,
         candidates=candidates,
-        stream=_stream(built, selection),
+        stream=_stream(built, config.selection),
         routes=routes,
         blocks=_blocks(model, built, original, shapes, profiles),
         flops=flop_report,
@@ -493,4 +373,5 @@ def _assemble(model, call, found, guards, names, selection, flops) -> Explanatio
         routed_graph=built.gm,
         profiles=profiles,
         input_names=names,
+        config=config,
     )

@@ -8,7 +8,7 @@ are a long chain (the token stream) with short side branches.
 
 Example:
     >>> import networkx as nx
-    >>> from tread_fx.layout import layered_layout
+    >>> from tread_fx.inspection.layout import layered_layout
     >>> pos = layered_layout(nx.DiGraph([("a", "b"), ("b", "c"), ("a", "c")]))
     >>> pos["a"][1] < pos["b"][1] < pos["c"][1]
     True

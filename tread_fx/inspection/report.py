@@ -1,4 +1,4 @@
-"""The text report and the JSON form of a :class:`tread_fx.explain.Explanation`.
+"""The text report and the JSON form of a :class:`tread_fx.inspection.explain.Explanation`.
 
 Example:
     >>> import tread_fx
@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from tread_fx.flops import Cost
+from tread_fx.inspection.flops import Cost
 
 if TYPE_CHECKING:
-    from tread_fx.explain import Explanation
+    from tread_fx.inspection.explanation import Explanation
 
 __all__ = ["format_report", "to_dict", "SCHEMA", "Style"]
 

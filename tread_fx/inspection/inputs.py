@@ -8,7 +8,7 @@ defaults. Anything else cannot be guessed and is an :class:`ExampleInputError`.
 
 Example:
     >>> import tread_fx
-    >>> from tread_fx.inputs import example_inputs
+    >>> from tread_fx.inspection.inputs import example_inputs
     >>> model = tread_fx.models.DiT_S_2(input_size=8, in_channels=1, num_classes=10)
     >>> args, kwargs = example_inputs(model)
     >>> [tuple(a.shape) for a in args]

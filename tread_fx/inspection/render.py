@@ -6,11 +6,11 @@ scatter) are highlighted, rewired and resized nodes tinted, and edges carry tens
 Nodes holding Python values (shape arithmetic) are hidden unless ``full=True``.
 
 DOT is plain text (no binary needed); SVG needs Graphviz's ``dot``; the HTML page lays the
-graphs out itself (:mod:`tread_fx.layout`) and is one self-contained file.
+graphs out itself (:mod:`tread_fx.inspection.layout`) and is one self-contained file.
 
 Example:
     >>> import tread_fx
-    >>> from tread_fx.render import to_dot
+    >>> from tread_fx.inspection.render import to_dot
     >>> m = tread_fx.models.DiT_S_2(input_size=8, in_channels=1, num_classes=10, depth=4)
     >>> to_dot(tread_fx.explain(m, [(1, 3)], flops=False)).startswith("digraph")
     True
@@ -27,11 +27,11 @@ from typing import TYPE_CHECKING
 import networkx as nx
 
 from tread_fx.errors import GraphvizNotFoundError
-from tread_fx.layout import NODE_H, NODE_W, layered_layout, spine_of
-from tread_fx.report import fmt_flops, fmt_shape
+from tread_fx.inspection.layout import NODE_H, NODE_W, layered_layout, spine_of
+from tread_fx.inspection.report import fmt_flops, fmt_shape
 
 if TYPE_CHECKING:
-    from tread_fx.explain import Explanation
+    from tread_fx.inspection.explanation import Explanation
 
 __all__ = ["to_dot", "to_svg", "to_html", "graph_views", "GraphView"]
 

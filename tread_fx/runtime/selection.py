@@ -8,7 +8,7 @@ function of its inputs: seeded runs are reproducible and ``torch.compile`` sees 
 
 Example:
     >>> import torch
-    >>> from tread_fx.selection import get_strategy
+    >>> from tread_fx.runtime.selection import get_strategy
     >>> random_sel = get_strategy("random")
     >>> idx = random_sel.select(torch.rand(2, 8), keep=4, prefix=1, grid=None)
     >>> idx.shape, bool((idx[:, 1:] > idx[:, :-1]).all())
@@ -60,7 +60,7 @@ def register_strategy(strategy: Strategy) -> Strategy:
     """Register a selection strategy under ``strategy.name``.
 
     Example:
-        >>> from tread_fx.selection import Strategy, register_strategy, select_random
+        >>> from tread_fx.runtime.selection import Strategy, register_strategy, select_random
         >>> s = register_strategy(Strategy("random-copy", False, lambda n, g: n, select_random))
     """
     _STRATEGIES[strategy.name] = strategy

@@ -18,7 +18,7 @@ groups-aware convolution backward), so the totals equal
 
 Example:
     >>> import torch, tread_fx
-    >>> from tread_fx.flops import profile_graph
+    >>> from tread_fx.inspection.flops import profile_graph
     >>> from tread_fx.passes.trace import trace_call
     >>> model = tread_fx.models.DiT_S_2(input_size=8, in_channels=1, num_classes=10, depth=2)
     >>> args = (torch.randn(1, 1, 8, 8), torch.rand(1), torch.tensor([3]))
@@ -53,9 +53,11 @@ from torch.utils.flop_counter import (
 )
 
 from tread_fx.passes.trace import MODEL_PREFIX
+from tread_fx.runtime.ops import call_in_fp32
 
 __all__ = [
     "FLOP_FORMULAS",
+    "module_arg_index",
     "OpCounts",
     "Cost",
     "BlockCost",
@@ -356,6 +358,20 @@ class _Capture(fx.Interpreter):
         return value
 
 
+def module_arg_index(node: fx.Node) -> int | None:
+    """Where the block sits among the arguments of a wrapped block call, else ``None``.
+
+    The rewrite calls blocks as ``checkpoint(block, ...)``, ``call_in_fp32(block, ...)`` or
+    ``checkpoint(call_in_fp32, block, ...)``; the block is a ``get_attr`` node.
+    """
+    if node.op != "call_function" or node.target not in (checkpoint, call_in_fp32):
+        return None
+    for i, arg in enumerate(node.args[:2]):
+        if isinstance(arg, fx.Node) and arg.op == "get_attr":
+            return i
+    return None
+
+
 def block_nodes(gm: fx.GraphModule, paths: Sequence[str]) -> dict[fx.Node, str]:
     """Block calls by module path: plain calls and calls through activation checkpointing."""
     wanted, found = set(paths), {}
@@ -363,9 +379,8 @@ def block_nodes(gm: fx.GraphModule, paths: Sequence[str]) -> dict[fx.Node, str]:
         target = None
         if node.op == "call_module":
             target = node.target
-        elif node.op == "call_function" and node.target is checkpoint and node.args:
-            first = node.args[0]
-            target = first.target if isinstance(first, fx.Node) and first.op == "get_attr" else None
+        elif (index := module_arg_index(node)) is not None:
+            target = node.args[index].target
         if isinstance(target, str) and target.startswith(MODEL_PREFIX):
             path = target[len(MODEL_PREFIX) :]
             if path in wanted:

@@ -1,0 +1,73 @@
+"""The values adapters see: the stream layout, a side value entering a route, tensor metadata.
+
+The trace pass records a :class:`TensorMeta` per graph value; the plan pass describes each
+value entering a routed region as a :class:`SideValue` and asks the adapter registry about it.
+
+Example:
+    >>> import torch
+    >>> from tread_fx.adapters.values import TensorMeta
+    >>> TensorMeta((2, 16, 32), torch.float32, torch.device("cpu")).shape
+    (2, 16, 32)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+__all__ = ["TensorMeta", "StreamLayout", "SideValue"]
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Shape, dtype and device of a tensor seen at trace time."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+
+@dataclass(frozen=True)
+class StreamLayout:
+    """Layout of the token stream at a route's start, as adapters see it."""
+
+    batch_dim: int
+    token_dim: int
+    batch_size: int
+    num_tokens: int
+    prefix: int
+    grid: tuple[int, int] | None
+
+
+@dataclass(frozen=True)
+class SideValue:
+    """A value entering a routed region, as seen by adapters.
+
+    Attributes:
+        node: The graph node.
+        meta: ``TensorMeta`` of the value (or a tuple of them, or a Python value).
+        arg_names: Names under which blocks in the region receive it (kwarg names, or
+            ``"arg{i}"`` for positional arguments).
+        block_classes: Classes of the blocks in the region that receive it directly.
+        stream: The stream layout.
+        token_aligned: Its shape has the batch and token sizes at the stream's dims.
+        from_stream: It is computed from the model's first input (a version of the stream).
+        combined_with_stream: A region op combines it elementwise with a region value.
+    """
+
+    node: fx.Node
+    meta: Any
+    arg_names: frozenset[str]
+    block_classes: frozenset[type]
+    stream: StreamLayout
+    token_aligned: bool
+    from_stream: bool
+    combined_with_stream: bool
+
+    def dims_of_size(self, size: int) -> list[int]:
+        """Dims (other than batch) of the value whose size is ``size``."""
+        shape = getattr(self.meta, "shape", ())
+        return [d for d, s in enumerate(shape) if s == size and d != self.stream.batch_dim]

@@ -1,0 +1,170 @@
+"""One routing configuration, resolved once from the user's arguments.
+
+:func:`resolve_config` turns what ``route()``/``explain()`` were given into a
+:class:`RoutingConfig`: routes parsed (and range-checked when the block stack is known without
+tracing), the selection strategy looked up, the block containers named. ``route()`` keeps it,
+``explain()`` describes it, and ``force_routing``/``sparse_guidance`` derive a new rate from it
+with :meth:`RoutingConfig.at_rate`; the pass pipeline reads it for every trace.
+
+Example:
+    >>> import tread_fx
+    >>> from tread_fx.config import resolve_config
+    >>> model = tread_fx.models.DiT_S_2(input_size=8, depth=4)
+    >>> cfg = resolve_config(model, [(1, -1)], 0.5, selection="rows")
+    >>> cfg.block_lists, [(r.start, r.end, r.rate) for r in cfg.resolved], cfg.strategy.name
+    (['blocks'], [(1, 3, 0.5)], 'rows')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from tread_fx.errors import BlockStackNotFoundError
+from tread_fx.passes.locate import candidate_stacks, resolve_block_lists
+from tread_fx.passes.rewrite import Reinsert
+from tread_fx.routes import Route, check_rate, parse_routes, resolve_routes
+from tread_fx.runtime.selection import Strategy, get_strategy
+
+__all__ = ["RoutingConfig", "resolve_config"]
+
+
+@dataclass
+class RoutingConfig:
+    """Everything ``route()`` was asked for, validated and resolved once.
+
+    Attributes:
+        routes: The parsed routes (negative indices not yet resolved).
+        rate: Default fraction of tokens routed around.
+        selection: Name of the selection strategy.
+        blocks: The user's ``blocks=`` (``None``: detected).
+        keep_prefix: Leading tokens never routed (``None``: detected).
+        grid: Patch grid (H, W) given by the user.
+        strict: Refuse unknown token-aligned side values.
+        reinsert: How routed-around tokens re-enter.
+        share_selection: Batch-shared selection: ``None`` where needed, or always/never.
+        fp32_reentry: Run the first block after each route in float32.
+        strategy: The selection strategy named by ``selection``.
+        block_lists: Paths of the candidate block containers (data flow picks among several).
+        depth: Number of blocks when known without tracing, else ``None``.
+        resolved: ``routes`` resolved against ``depth`` (``None`` until the depth is known).
+    """
+
+    routes: list[Route]
+    rate: float = 0.5
+    selection: str = "random"
+    blocks: Any = None
+    keep_prefix: int | None = None
+    grid: tuple[int, int] | None = None
+    strict: bool = True
+    reinsert: Reinsert = field(default_factory=Reinsert)
+    share_selection: bool | None = None
+    fp32_reentry: bool = False
+    strategy: Strategy = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
+    block_lists: list[str] | None = None
+    depth: int | None = None
+    resolved: list[Route] | None = None
+
+    def __post_init__(self) -> None:
+        if self.strategy is None:
+            self.strategy = get_strategy(self.selection)
+
+    def routes_for(self, depth: int) -> list[Route]:
+        """The routes resolved against ``depth`` blocks (computed once per depth)."""
+        if self.resolved is None or self.depth != depth:
+            return resolve_routes(self.routes, depth, self.rate)
+        return self.resolved
+
+    def at_rate(self, rate: float | None = None, routes: Any = None) -> RoutingConfig:
+        """This configuration at another rate and/or with other routes.
+
+        Without ``routes``, every route (also one with its own rate) takes ``rate``.
+        """
+        rate = self.rate if rate is None else check_rate(rate)
+        parsed = self.routes if routes is None else parse_routes(routes, rate)
+        if routes is None and rate != self.rate:
+            parsed = [dataclasses.replace(r, rate=rate) for r in parsed]
+        resolved = None if self.depth is None else resolve_routes(parsed, self.depth, rate)
+        return dataclasses.replace(self, routes=parsed, rate=rate, resolved=resolved)
+
+
+def _known_depth(model: nn.Module, blocks: Any, list_paths: list[str]) -> int | None:
+    """The number of blocks when the stack is known without tracing (else ``None``)."""
+    paths = list_paths
+    if blocks is None:
+        stacks = candidate_stacks(model)
+        if not stacks:
+            raise BlockStackNotFoundError(
+                f"{type(model).__name__} has no ModuleList/Sequential of same-class modules to "
+                "route around; pass blocks='<attribute path>' naming the block container."
+            )
+        longest = max(len(m) for m in stacks.values())
+        paths = [p for p, m in stacks.items() if len(m) == longest]
+        if len(paths) > 1:
+            return None  # decided by data flow at trace time
+    return sum(len(model.get_submodule(p)) for p in paths)
+
+
+def resolve_config(
+    model: nn.Module,
+    routes: Any,
+    rate: float = 0.5,
+    *,
+    selection: str = "random",
+    blocks: str | Sequence[str] | nn.Module | None = None,
+    keep_prefix: int | None = None,
+    strict: bool = True,
+    grid: tuple[int, int] | None = None,
+    reinsert: Reinsert | None = None,
+    share_selection: bool | None = None,
+    fp32_reentry: bool = False,
+) -> RoutingConfig:
+    """Validate and resolve the routing arguments of ``route()``/``explain()`` for ``model``.
+
+    Args:
+        model: The model to route (not modified).
+        routes: Routes in any form :func:`tread_fx.routes.parse_routes` accepts.
+        rate: Fraction of tokens routed around.
+        selection: Name of a selection strategy (``"random"``, ``"rows"``).
+        blocks: Block container path(s) or module, or ``None`` to detect.
+        keep_prefix: Leading tokens never routed (``None``: detect).
+        strict: Refuse unknown token-aligned side values.
+        grid: Patch grid (H, W) for grid-shaped selections.
+        reinsert: How routed-around tokens re-enter (default: unchanged).
+        share_selection: ``None``, ``True`` or ``False`` (see ``route()``).
+        fp32_reentry: Run the first block after each route in float32.
+
+    Returns:
+        The :class:`RoutingConfig`.
+
+    Raises:
+        InvalidRouteError: a route is malformed or outside the known block stack.
+        InvalidRateError: the rate is not in [0, 1).
+        SelectionError: the selection strategy is unknown.
+        BlockStackNotFoundError: ``blocks=`` names no container, or none can be found.
+    """
+    strategy = get_strategy(selection)
+    parsed = parse_routes(routes, rate)
+    list_paths = resolve_block_lists(model, blocks)
+    depth = _known_depth(model, blocks, list_paths)
+    resolved = None if depth is None else resolve_routes(parsed, depth, rate)
+    return RoutingConfig(
+        routes=parsed,
+        rate=rate,
+        selection=selection,
+        blocks=blocks,
+        keep_prefix=keep_prefix,
+        grid=grid,
+        strict=strict,
+        reinsert=reinsert or Reinsert(),
+        share_selection=share_selection,
+        fp32_reentry=fp32_reentry,
+        strategy=strategy,
+        block_lists=list_paths,
+        depth=depth,
+        resolved=resolved,
+    )
