@@ -43,6 +43,8 @@ __all__ = [
 ]
 
 _PYTHON_RANDOM = ("random", "uniform", "randint", "randrange", "choice", "sample", "shuffle")
+# tensor methods taking sizes as varargs, called on a real (constant) tensor with traced sizes
+_SIZE_METHODS = ("expand", "view", "reshape", "repeat", "tile", "new_zeros", "new_ones", "new_full")
 _FACTORIES = (
     "ones", "zeros", "empty", "full", "rand", "randn", "randint", "arange", "tensor", "as_tensor"
 )  # fmt: skip
@@ -50,7 +52,7 @@ _FACTORIES = (
 
 @contextlib.contextmanager
 def factories_take_proxies(tracer: Any) -> Iterator[None]:
-    """Record ``torch.ones(b, n)`` with traced sizes as a graph call.
+    """Record ``torch.ones(b, n)`` and ``t.expand(b, -1)`` with traced sizes as graph calls.
 
     torch's argument parser rejects proxies as varargs sizes before ``__torch_function__``
     can see them (HunyuanVideo builds its mask with ``torch.ones(batch, seq_len)``). Random
@@ -58,6 +60,7 @@ def factories_take_proxies(tracer: Any) -> Iterator[None]:
     draw is never baked into the graph as a constant.
     """
     originals = {name: getattr(torch, name) for name in _FACTORIES}
+    methods = {name: getattr(torch.Tensor, name) for name in _SIZE_METHODS}
     random = {torch.rand, torch.randn, torch.randint}  # never baked in as constants
 
     def wrap(fn):
@@ -70,13 +73,26 @@ def factories_take_proxies(tracer: Any) -> Iterator[None]:
 
         return factory
 
+    def wrap_method(name: str, fn):
+        def method(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            traced = any(isinstance(a, fx.Proxy) for a in pytree.tree_leaves((args, kwargs)))
+            if tracer.running_eager or not traced:
+                return fn(self, *args, **kwargs)
+            return tracer.create_proxy("call_method", name, (self, *args), kwargs)
+
+        return method
+
     try:
         for name, fn in originals.items():
             setattr(torch, name, wrap(fn))
+        for name, fn in methods.items():
+            setattr(torch.Tensor, name, wrap_method(name, fn))
         yield
     finally:
         for name, fn in originals.items():
             setattr(torch, name, fn)
+        for name, fn in methods.items():
+            setattr(torch.Tensor, name, fn)
 
 
 @contextlib.contextmanager

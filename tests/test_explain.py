@@ -326,3 +326,33 @@ def test_convolution_backward_flops_are_groups_aware(groups, transposed):
     assert counts[1] == 2 * forward.get_total_flops()  # grad_input + grad_weight
     if groups == 1:
         assert counts[0] == counts[1]  # torch's formula is right for dense convolutions
+
+
+# -- data-dependent leaves (explain wherever route() works) ----------------------------------
+
+
+class _CheckedLabels(nn.Module):
+    """A label embedder that checks its input with data and drops labels at random."""
+
+    def __init__(self, classes: int, dim: int) -> None:
+        super().__init__()
+        self.table = nn.Embedding(classes + 1, dim)
+        self.classes = classes
+
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        assert y.max() <= self.classes - 1, "label out of range"  # reads tensor data
+        if self.training:
+            drop = torch.rand(y.shape[0], device=y.device) < 0.1
+            y = torch.where(drop, torch.full_like(y, self.classes), y)
+        return self.table(y)
+
+
+def test_explain_runs_a_data_dependent_leaf_on_real_values():
+    model, args = tiny_dit(depth=4), dit_inputs(batch=2)
+    model.y_embedder = _CheckedLabels(10, 32)
+    exp = tread_fx.explain(model, [(1, 3)], 0.5, args)
+    assert "y_embedder" in exp.auto_leaves  # route() makes it a leaf: explain runs it too
+    assert exp.flops.routed.flops == _routed_direct_flops(model, [(1, 3)], args)
+    assert exp.flops.original.flops == _direct_flops(model, args)
+    tread_fx.route(model, [(1, 3)], 0.5, seed=0)
+    assert model.train()(*args).shape == (2, 2, 8, 8)

@@ -112,13 +112,33 @@ class Einops(Backbone):
         )
 
 
+class ExpandedTable(Backbone):
+    """A constant table expanded to the traced batch size (``t.expand(batch, -1, -1)``)."""
+
+    def tokens(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(self.patchify(x))
+        coords = torch.stack([torch.arange(16.0), torch.ones(16)], dim=-1) / 16
+        return h + self.pos(coords.unsqueeze(0).expand(x.shape[0], -1, -1))
+
+
+class TransposedStream(Backbone):
+    """A conv patch embedding whose stream stays transposed in memory (timm's PatchEmbed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(C, D, P, P)
+
+    def tokens(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x).flatten(2).transpose(1, 2)
+
+
 def _inputs():
     return (torch.randn(B, C, S, S, generator=torch.Generator().manual_seed(1)),), {}
 
 
 CASES = [
     Case(cls.__name__, cls, _inputs, routes=[(1, 3)])
-    for cls in (ItemAssignment, InPlace, Finfo, Einops)
+    for cls in (ItemAssignment, InPlace, Finfo, Einops, ExpandedTable, TransposedStream)
 ]
 
 
@@ -168,3 +188,17 @@ def test_in_place_mutation_is_seen_by_later_readers():
     add = next(n for n in gm.graph.nodes if is_inplace_method(n) and n.target == "add_")
     ones = add.args[0].args[0]  # add_(mul_(ones))
     assert [u.target for u in ones.users] == ["mul_"], "later readers must read the mutation"
+
+
+def test_rate_zero_blocks_see_the_stream_with_its_own_strides():
+    """At rate 0 every token is kept: the routed blocks get the stream itself, not a
+    contiguous copy (a transposed stream summed in another order is not bitwise equal)."""
+    from third_party_checks import capture_block_inputs
+
+    model = TransposedStream()
+    with capture_block_inputs(model.blocks[1]) as calls:
+        model.train()(*_inputs()[0])
+        tread_fx.route(model, routes=[(1, 3)], rate=0.0, seed=0)
+        model.train()(*_inputs()[0])  # traces (one real call), then runs the routed graph
+    unrouted, routed = calls[0][0][0], calls[-1][0][0]
+    assert not unrouted.is_contiguous() and routed.stride() == unrouted.stride()

@@ -38,7 +38,12 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+    UnsupportedOperatorException,
+)
 from torch.func import functional_call
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
@@ -54,6 +59,13 @@ from torch.utils.flop_counter import (
 
 from tread_fx.passes.trace import MODEL_PREFIX
 from tread_fx.runtime.ops import call_in_fp32
+
+# what a fake-tensor run raises on code whose output shape or control flow reads tensor data
+_FAKE_FAILURES = (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    UnsupportedOperatorException,
+)
 
 __all__ = [
     "FLOP_FORMULAS",
@@ -217,9 +229,11 @@ class _Paused:
         _PAUSED[0] -= 1
 
 
-def _trace_cost(fn: Callable, state: dict, tensors: list) -> tuple[Cost, fx.GraphModule]:
+def _trace_cost(
+    fn: Callable, state: dict, tensors: list, mode: str = "fake"
+) -> tuple[Cost, fx.GraphModule]:
     """Forward: ATen graph of ``fn(state, *tensors)`` (``make_fx``); backward: counted."""
-    forward = make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(state, *tensors)
+    forward = make_fx(fn, tracing_mode=mode, _allow_non_fake_inputs=True)(state, *tensors)
     with _Paused():
         out = fn(state, *tensors)
     backward = _AtenCounter()
@@ -399,10 +413,18 @@ def fake_shapes(
         >>> fake_shapes(gm, [torch.randn(2, 4)])["linear"]
         (2, 3)
     """
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+
+    def run(values: list) -> dict[str, Any]:
         capture = _Capture(gm, block_nodes(gm, block_paths), {})
-        capture.run(*[mode.from_tensor(t) for t in inputs])
-    return capture.shapes
+        capture.run(*values)
+        return capture.shapes
+
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            return run([mode.from_tensor(t) for t in inputs])
+    except _FAKE_FAILURES:
+        with torch.no_grad():
+            return run([t.detach().clone() for t in inputs])
 
 
 def profile_graph(
@@ -423,20 +445,31 @@ def profile_graph(
         The :class:`GraphProfile`; ``total`` counts one training step (forward + backward
         with all-ones output gradients, gradients for every parameter).
     """
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        fake = [mode.from_tensor(t) for t in inputs]
-        cache: dict[tuple, _Signature] = {}
-        capture = _Capture(gm, block_nodes(gm, block_paths), cache)
-        forward, backward = _AtenCounter(), _AtenCounter()
-        with forward:
-            outputs = capture.run(*fake)
-        with backward:
-            _grads(outputs, list(gm.parameters()))
-        costs = {} if block_costs is None else block_costs
-        for key, sig in cache.items():
-            if key not in costs:
-                tensors = [sig.flat[i] for i in sig.positions]
-                costs[key] = _trace_cost(_call(sig), _state(sig.module), tensors)
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fake = [mode.from_tensor(t) for t in inputs]
+            return _profile(gm, fake, block_paths, block_costs, "fake")
+    except _FAKE_FAILURES:  # data-dependent code (nonzero, a mask's count): run on real values
+        real = [t.detach().clone() for t in inputs]
+        return _profile(gm, real, block_paths, {} if block_costs is None else block_costs, "real")
+
+
+def _profile(
+    gm: fx.GraphModule, fake: list, block_paths: Sequence[str], block_costs, mode: str
+) -> GraphProfile:
+    """:func:`profile_graph` on ``fake`` (fake tensors, or real ones with ``mode="real"``)."""
+    cache: dict[tuple, _Signature] = {}
+    capture = _Capture(gm, block_nodes(gm, block_paths), cache)
+    forward, backward = _AtenCounter(), _AtenCounter()
+    with forward:
+        outputs = capture.run(*fake)
+    with backward:
+        _grads(outputs, list(gm.parameters()))
+    costs = {} if block_costs is None else block_costs
+    for key, sig in cache.items():
+        if key not in costs:
+            tensors = [sig.flat[i] for i in sig.positions]
+            costs[key] = _trace_cost(_call(sig), _state(sig.module), tensors, mode)
     blocks = []
     for node, sig in capture.calls.items():
         cost, graph = costs[sig.key]

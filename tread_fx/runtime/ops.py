@@ -32,7 +32,14 @@ def _token_index(idx: torch.Tensor, like: torch.Tensor, token_dim: int) -> torch
 
 
 def gather_tokens(x: torch.Tensor, idx: torch.Tensor, token_dim: int = 1) -> torch.Tensor:
-    """Keep the tokens ``idx`` [B, k] of ``x`` [B, N, ...] (or [N, B, ...] with token_dim 0)."""
+    """Keep the tokens ``idx`` [B, k] of ``x`` [B, N, ...] (or [N, B, ...] with token_dim 0).
+
+    Keeping every token (rate 0) keeps them all in ascending order, so ``x`` itself is the
+    result: the routed blocks see the stream with its own strides and compute bitwise as
+    the unrouted model does (a transposed stream copied contiguous sums in another order).
+    """
+    if idx.shape[1] == x.shape[token_dim]:
+        return x
     return torch.gather(x, token_dim, _token_index(idx, x, token_dim))
 
 
