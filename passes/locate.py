@@ -194,8 +194,19 @@ def _valid_sequence(model: nn.Module, path: str, nodes: list[fx.Node]) -> bool:
     return called == names
 
 
-def _chains(model: nn.Module, calls: dict[str, list[fx.Node]]) -> list[list[str]]:
+def _fed_by(node: fx.Node, source: fx.Node) -> bool:
+    return node is source or source in _ancestors(node, set())
+
+
+def _chains(
+    model: nn.Module, calls: dict[str, list[fx.Node]], primary: fx.Node | None = None
+) -> list[list[str]]:
     valid = [p for p, nodes in calls.items() if nodes and _valid_sequence(model, p, nodes)]
+    # a list whose blocks never see the model's main input (a text refiner, a perceiver over
+    # reference embeddings) neither heads nor competes with the stack the noisy input flows
+    # through; when no list sees it (an unusual argument order) all stay candidates
+    fed = [p for p in valid if primary is not None and _fed_by(calls[p][0], primary)]
+    valid = fed or valid
     order = {n: i for i, n in enumerate(calls[valid[0]][0].graph.nodes)} if valid else {}
     valid.sort(key=lambda p: order[calls[p][0]])
     chains: list[list[str]] = []
@@ -209,6 +220,12 @@ def _chains(model: nn.Module, calls: dict[str, list[fx.Node]]) -> list[list[str]
         else:
             chains.append([path])
     return chains
+
+
+def _hand_off_hops(chain: list[str], calls: dict[str, list[fx.Node]]) -> int:
+    """Ops on the paths from each block of ``chain`` to the next (fewest: the main stack)."""
+    nodes = [n for path in chain for n in calls[path]]
+    return sum(len(_forward_path(a, b)) for a, b in zip(nodes, nodes[1:]))
 
 
 def _choose_chain(model: nn.Module, chains: list[list[str]], calls, explicit: bool) -> list[str]:
@@ -229,6 +246,9 @@ def _choose_chain(model: nn.Module, chains: list[list[str]], calls, explicit: bo
     size = lambda chain: sum(len(calls[p]) for p in chain)
     best = max(size(c) for c in chains)
     top = [c for c in chains if size(c) == best]
+    if len(top) > 1:  # the stack hands the stream straight on; a side branch takes detours
+        hops = {tuple(c): _hand_off_hops(c, calls) for c in top}
+        top = [c for c in top if hops[tuple(c)] == min(hops.values())]
     if len(top) > 1:
         raise AmbiguousBlockStackError(
             f"several block stacks of {best} blocks qualify in {type(model).__name__}: "
@@ -257,13 +277,14 @@ def locate(
         The :class:`StreamInfo`.
     """
     calls = _block_calls(traced, list_paths)
-    chain = _choose_chain(model, _chains(model, calls), calls, explicit)
+    primary = next(n for n in traced.gm.graph.nodes if n.op == "placeholder")
+    chains = _chains(model, calls, None if explicit else primary)
+    chain = _choose_chain(model, chains, calls, explicit)
     nodes = [(path, node) for path in chain for node in calls[path]]
     blocks = [
         BlockCall(i, node, node.target[len(MODEL_PREFIX) :], path, ())
         for i, (path, node) in enumerate(nodes)
     ]
-    primary = next(n for n in traced.gm.graph.nodes if n.op == "placeholder")
     block_nodes = {b.node for b in blocks}
     _assign_stream_slots(blocks, primary, block_nodes)
     carried = {p: _carried_slots([b for b in blocks if b.list_path == p]) for p in chain}
