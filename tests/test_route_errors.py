@@ -89,7 +89,10 @@ def test_blocks_naming_something_that_is_not_a_block_container():
 
 
 class _TwoStacks(torch.nn.Module):
-    """Two unrelated same-length stacks: auto-detection cannot choose."""
+    """Two same-length stacks, both fed by the main input: auto-detection cannot choose.
+
+    (A stack that never sees the main input is not a candidate: tests/test_stack_choice.py.)
+    """
 
     def __init__(self):
         super().__init__()
@@ -97,6 +100,7 @@ class _TwoStacks(torch.nn.Module):
         self.right = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
 
     def forward(self, a, b):
+        b = b + a
         for block in self.left:
             a = block(a)
         for block in self.right:
