@@ -56,6 +56,7 @@ def _sana_inputs():
 
 ROUTED = {
     "diffusers-sana-rows": Case("sana", _sana, _sana_inputs, route_kwargs={"selection": "rows"}),
+    "diffusers-sana-auto": Case("sana", _sana, _sana_inputs),  # the default picks rows
     "diffusers-hunyuan-dit": Case(
         "hunyuan-dit",
         lambda: diffusers.HunyuanDiT2DModel(
@@ -202,7 +203,7 @@ def test_routes_with_the_same_machinery(name):
 
 REFUSED = {
     "sana-random": (
-        Case("sana", _sana, _sana_inputs),
+        Case("sana", _sana, _sana_inputs, route_kwargs={"selection": "random"}),
         tread_fx.errors.SelectionError,
         "height=4 and width=4 as numbers",
     ),

@@ -57,6 +57,7 @@ class RouteInfo:
         num_tokens: Token count N of the stream at the route start.
         prefix: Leading tokens never routed (cls/registers).
         grid: Patch grid (H, W) of the routable tokens, when known.
+        selection: The selection used (``"auto"`` resolved to ``"random"`` or ``"rows"``).
     """
 
     route: Route
@@ -64,6 +65,7 @@ class RouteInfo:
     num_tokens: int
     prefix: int
     grid: tuple[int, int] | None
+    selection: str = "random"
 
     @property
     def routed_mask(self) -> torch.Tensor:
@@ -140,7 +142,12 @@ class _RoutingState:
         n = entry.built.num_model_outputs
         self.last_info = [
             RouteInfo(
-                plan.route, kept, plan.layout.num_tokens, plan.layout.prefix, plan.layout.grid
+                plan.route,
+                kept,
+                plan.layout.num_tokens,
+                plan.layout.prefix,
+                plan.layout.grid,
+                entry.built.selection,
             )
             for plan, kept in zip(entry.built.plans, out[n:])
         ]
@@ -226,7 +233,7 @@ def route(
     routes: Any,
     rate: float = 0.5,
     *,
-    selection: str = "random",
+    selection: str = "auto",
     blocks: str | Sequence[str] | nn.Module | None = None,
     keep_prefix: int | None = None,
     seed: int | None = None,
@@ -251,7 +258,9 @@ def route(
         routes: ``(start, end)``, ``(start, end, rate)``, :class:`Route`, the authors' dict
             (inclusive ``end_layer_idx``), or a list of those. Half-open, negatives allowed.
         rate: Fraction of tokens routed around (default 0.5, the paper's best).
-        selection: ``"random"`` (uniform tokens) or ``"rows"`` (whole patch-grid rows).
+        selection: ``"auto"`` (default: ``"random"``, or ``"rows"`` where a routed block
+            reshapes its tokens to the patch grid), ``"random"`` (uniform tokens) or
+            ``"rows"`` (whole patch-grid rows).
         blocks: Path(s) of the block container(s) when auto-detection should not decide.
         keep_prefix: Leading tokens never routed; ``None`` detects cls/register tokens.
         seed: Seed of a per-device generator for the selections (``None``: global RNG).

@@ -56,7 +56,7 @@ class RoutingConfig:
 
     routes: list[Route]
     rate: float = 0.5
-    selection: str = "random"
+    selection: str = "auto"
     blocks: Any = None
     keep_prefix: int | None = None
     grid: tuple[int, int] | None = None
@@ -114,7 +114,7 @@ def resolve_config(
     routes: Any,
     rate: float = 0.5,
     *,
-    selection: str = "random",
+    selection: str = "auto",
     blocks: str | Sequence[str] | nn.Module | None = None,
     keep_prefix: int | None = None,
     strict: bool = True,
@@ -129,7 +129,7 @@ def resolve_config(
         model: The model to route (not modified).
         routes: Routes in any form :func:`tread_fx.routes.parse_routes` accepts.
         rate: Fraction of tokens routed around.
-        selection: Name of a selection strategy (``"random"``, ``"rows"``).
+        selection: Name of a selection strategy (``"auto"``, ``"random"``, ``"rows"``).
         blocks: Block container path(s) or module, or ``None`` to detect.
         keep_prefix: Leading tokens never routed (``None``: detect).
         strict: Refuse unknown token-aligned side values.

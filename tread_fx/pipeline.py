@@ -30,6 +30,7 @@ from tread_fx.passes.plan import RoutePlan, plan_route
 from tread_fx.passes.rewrite import append_route_outputs, rewrite_route
 from tread_fx.passes.trace import TracedCall, trace_call
 from tread_fx.routes import Route
+from tread_fx.runtime.selection import get_strategy
 
 __all__ = ["Built", "build", "find_grid"]
 
@@ -43,6 +44,7 @@ class Built:
     routes: list[Route]
     plans: list[RoutePlan]
     num_model_outputs: int
+    selection: str = "random"
 
     @property
     def gm(self) -> fx.GraphModule:
@@ -88,6 +90,22 @@ def _grid_for(model: nn.Module, config: RoutingConfig, info: StreamInfo) -> tupl
     return grid
 
 
+def _resolve_auto(traced, info: StreamInfo, routes: list[Route], config: RoutingConfig, grid):
+    """The strategy to use: ``selection="auto"`` becomes ``"random"``, or ``"rows"`` when a
+    routed block reshapes its tokens to the patch grid (random tokens make no grid)."""
+    if config.strategy.name != "auto":
+        return config.strategy
+    random = get_strategy("random")
+    try:
+        for i, route in enumerate(routes):
+            plan_route(traced.gm, info, route, i, random, grid, config.strict)
+    except SelectionError:
+        if grid is None:
+            raise
+        return get_strategy("rows")
+    return random
+
+
 def _apply_share_selection(plan: RoutePlan, share: bool | None) -> None:
     """Force, allow (``None``: where an adapter needs it) or refuse a batch-shared selection."""
     if share is None:
@@ -124,8 +142,8 @@ def build(model: nn.Module, args: tuple, kwargs: dict, config: RoutingConfig) ->
     traced = trace_call(model, args, kwargs, block_leaf_paths(model, list_paths))
     info = locate(traced, model, list_paths, config.blocks is not None, config.keep_prefix)
     routes = config.routes_for(info.depth)
-    strategy = config.strategy
     grid = _grid_for(model, config, info)
+    strategy = _resolve_auto(traced, info, routes, config, grid)
     embedded = info.blocks[0].stream_in
     plans, idx_nodes = [], []
     for i, route in enumerate(routes):
@@ -136,4 +154,4 @@ def build(model: nn.Module, args: tuple, kwargs: dict, config: RoutingConfig) ->
         if config.fp32_reentry and plan.end_block is not None:
             plan.end_block.node.meta["tread_fp32"] = True
     num_outputs = append_route_outputs(traced.gm, idx_nodes)
-    return Built(traced, info, routes, plans, num_outputs)
+    return Built(traced, info, routes, plans, num_outputs, strategy.name)

@@ -221,7 +221,7 @@ def explain(
     rate: float = 0.5,
     example_inputs: Any = None,
     *,
-    selection: str = "random",
+    selection: str = "auto",
     blocks: Any = None,
     keep_prefix: int | None = None,
     strict: bool = True,
@@ -239,7 +239,7 @@ def explain(
         rate: Fraction of tokens routed around.
         example_inputs: ``args`` or ``(args, kwargs)`` of a training call; default: made by
             :func:`tread_fx.inspection.inputs.example_inputs` from the model's attributes.
-        selection: ``"random"`` or ``"rows"``.
+        selection: ``"auto"`` (default), ``"random"`` or ``"rows"``, as for ``route()``.
         blocks: Block container path(s), as for ``route()``.
         keep_prefix: Leading tokens never routed (``None``: detect).
         strict: As for ``route()``; a strict refusal is reported (lenient graph shown).
@@ -361,7 +361,7 @@ def _assemble(model, call, found, guards, names, config, flops) -> Explanation:
         model=type(model).__name__,
         stacks=stacks,
         candidates=candidates,
-        stream=_stream(built, config.selection),
+        stream=_stream(built, built.selection),
         routes=routes,
         blocks=_blocks(model, built, original, shapes, profiles),
         flops=flop_report,

@@ -112,3 +112,6 @@ def select_rows(
 
 register_strategy(Strategy("random", False, lambda n, grid: n, select_random))
 register_strategy(Strategy("rows", True, lambda n, grid: grid[0], select_rows))
+# "auto" is resolved per trace (tread_fx.pipeline): "random" unless the routed blocks reshape
+# their tokens to the patch grid, then "rows"; as a strategy it selects like "random"
+register_strategy(Strategy("auto", False, lambda n, grid: n, select_random))
