@@ -166,9 +166,13 @@ def _learning(model: nn.Module, case: Case) -> set[str]:
 
 
 def _forward_flops(model: nn.Module, case: Case) -> int:
+    """Forward FLOPs of a training call, with grad (FlopCounterMode's module hooks need
+    grad_fns). A first call outside the counter traces a routed model for this grad mode:
+    the trace's own real forward is not counted."""
+    _forward(model, case, train=True)
     counter = FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS)
     with counter:
-        _no_grad_forward(model, case, train=True)
+        _forward(model, case, train=True)
     return counter.get_total_flops()
 
 

@@ -35,6 +35,7 @@ __all__ = [
     "resolve_block_lists",
     "block_leaf_paths",
     "locate",
+    "main_input",
     "input_slots",
     "output_slots",
 ]
@@ -194,6 +195,44 @@ def _valid_sequence(model: nn.Module, path: str, nodes: list[fx.Node]) -> bool:
     return called == names
 
 
+def _shape_distance(a: object, b: object) -> int | None:
+    """0: same shape; 1: same rank, one dim differs (channels, a learned sigma); else None."""
+    if not (isinstance(a, TensorMeta) and isinstance(b, TensorMeta)) or len(a.shape) != len(
+        b.shape
+    ):
+        return None
+    differing = sum(x != y for x, y in zip(a.shape, b.shape))
+    return differing if differing <= 1 else None
+
+
+def main_input(graph: fx.Graph) -> fx.Node:
+    """The model's main input: the noisy sample, whose shape the prediction has.
+
+    The tensor input with the shape of the first output (exactly, else up to one dim such as
+    the channels of a learned-sigma prediction) is the noisy input; a text or conditioning
+    input never has that shape. Without such an input, the first tensor input.
+    """
+    inputs = [n for n in graph.nodes if n.op == "placeholder"]
+    output = next(n for n in graph.nodes if n.op == "output")
+    first = next((a for a in _flat_nodes(output.args)), None)
+    out_meta = first.meta.get("tread_meta") if first is not None else None
+    ranked = [
+        (d, i) for i, n in enumerate(inputs)
+        if (d := _shape_distance(n.meta.get("tread_meta"), out_meta)) is not None
+    ]  # fmt: skip
+    return inputs[min(ranked)[1]] if ranked else inputs[0]
+
+
+def _flat_nodes(value: object) -> list[fx.Node]:
+    if isinstance(value, fx.Node):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [n for v in value for n in _flat_nodes(v)]
+    if isinstance(value, dict):
+        return [n for v in value.values() for n in _flat_nodes(v)]
+    return []
+
+
 def _fed_by(node: fx.Node, source: fx.Node) -> bool:
     return node is source or source in _ancestors(node, set())
 
@@ -277,16 +316,25 @@ def locate(
         The :class:`StreamInfo`.
     """
     calls = _block_calls(traced, list_paths)
-    primary = next(n for n in traced.gm.graph.nodes if n.op == "placeholder")
+    primary = main_input(traced.gm.graph)
     chains = _chains(model, calls, None if explicit else primary)
     chain = _choose_chain(model, chains, calls, explicit)
-    nodes = [(path, node) for path in chain for node in calls[path]]
-    blocks = [
-        BlockCall(i, node, node.target[len(MODEL_PREFIX) :], path, ())
-        for i, (path, node) in enumerate(nodes)
-    ]
-    block_nodes = {b.node for b in blocks}
-    _assign_stream_slots(blocks, primary, block_nodes)
+    while True:
+        nodes = [(path, node) for path in chain for node in calls[path]]
+        blocks = [
+            BlockCall(i, node, node.target[len(MODEL_PREFIX) :], path, ())
+            for i, (path, node) in enumerate(nodes)
+        ]
+        block_nodes = {b.node for b in blocks}
+        try:
+            _assign_stream_slots(blocks, primary, block_nodes)
+            break
+        except _UnclearHandOff as err:
+            if explicit:
+                raise
+            # the stream's way into a later list is unclear (CaiT's class-attention blocks
+            # take (tokens, cls)): the stack ends before that list
+            chain = chain[: chain.index(err.list_path)]
     carried = {p: _carried_slots([b for b in blocks if b.list_path == p]) for p in chain}
     meta = blocks[0].stream_in.meta.get("tread_meta")
     if not isinstance(meta, TensorMeta) or len(meta.shape) < 2:
@@ -401,6 +449,14 @@ def _out_slot(block: BlockCall, following: BlockCall | None, block_nodes: set) -
     return same[0]
 
 
+class _UnclearHandOff(TokenStreamError):
+    """Which argument of a later list's first block continues the stream is unclear."""
+
+    def __init__(self, list_path: str, message: str) -> None:
+        super().__init__(message)
+        self.list_path = list_path
+
+
 def _assign_stream_slots(blocks: list[BlockCall], primary: fx.Node, block_nodes: set) -> None:
     for i, block in enumerate(blocks):
         prev = blocks[i - 1] if i else None
@@ -414,10 +470,11 @@ def _assign_stream_slots(blocks: list[BlockCall], primary: fx.Node, block_nodes:
                 k for k, n in slots.items() if prev.stream_out in _ancestors(n, block_nodes) | {n}
             ]
             if len(keys) != 1:
-                raise TokenStreamError(
+                raise _UnclearHandOff(
+                    block.list_path,
                     f"cannot tell which argument of block {block.path} continues the token "
                     f"stream of block {prev.path} (candidates {keys}); pass blocks= explicitly, "
-                    f"e.g. blocks={prev.list_path!r} to route only the blocks before it."
+                    f"e.g. blocks={prev.list_path!r} to route only the blocks before it.",
                 )
             block.in_slot = keys[0]
         slots = input_slots(block.node)

@@ -28,7 +28,7 @@ from tread_fx.errors import InvalidRateError, SelectionError, SideInputError, To
 from tread_fx.passes.locate import BlockCall, StreamInfo, input_slots, output_slots
 from tread_fx.passes.streams import (
     check_no_token_tables_inside,
-    check_one_stream_length,
+    crossing_prefix,
     ends_where_stream_changes,
     family_slots,
     grid_arguments,
@@ -59,6 +59,8 @@ class Crossing:
         counterpart: For scattered values, the full-size value at the route start.
         options: Extra keyword arguments of an adapter function (decided at plan time).
         shares_selection: The adapter needs the route's selection shared across the batch.
+        prefix_shift: For the scattered token stream of a route that crosses a concatenation
+            of other tokens in front of it: their count (they leave processed, never routed).
     """
 
     node: fx.Node
@@ -68,6 +70,7 @@ class Crossing:
     counterpart: fx.Node | None = None
     options: dict[str, Any] = field(default_factory=dict)
     shares_selection: bool = False
+    prefix_shift: int = 0  # scattered stream: tokens concatenated in front inside the route
 
 
 @dataclass
@@ -361,7 +364,7 @@ def plan_route(
     """
     gm.graph.__dict__.pop("_tread_index", None)
     g = graph_to_networkx(gm.graph)
-    check_one_stream_length(info, route)
+    shift = crossing_prefix(g, info, route)
     check_no_token_tables_inside(gm, info, route)
     region, stream_start, stream_end = _region(g, info, route)
     meta = stream_start.meta["tread_meta"]
@@ -377,6 +380,9 @@ def plan_route(
     entering = _entering(g, (start, stream_start), region, info, layout, strict)
     non_token = non_token_carried(g, info, route)
     leaving = _leaving(region, info, route, (stream_start, stream_end), entering, layout, non_token)
+    for crossing in leaving:
+        if crossing.node is stream_end:
+            crossing.prefix_shift = shift
     units = strategy.units(layout.num_tokens - layout.prefix, grid)
     keep = kept_units(units, route.rate)
     if keep < 1 or units < 1:

@@ -20,7 +20,13 @@ from torch.utils.checkpoint import checkpoint
 from tread_fx.adapters.token_tables import share_across_batch
 from tread_fx.passes.plan import Crossing, RoutePlan
 from tread_fx.passes.trace import TensorMeta
-from tread_fx.runtime.ops import blend_tokens, call_in_fp32, gather_tokens, scatter_tokens
+from tread_fx.runtime.ops import (
+    blend_tokens,
+    call_in_fp32,
+    gather_tokens,
+    scatter_after_prefix,
+    scatter_tokens,
+)
 from tread_fx.runtime.selection import Strategy
 
 __all__ = ["rewrite_route", "append_route_outputs", "NOISE_PREFIX", "Reinsert"]
@@ -95,10 +101,14 @@ def _scatter(
             args = (crossing.counterpart, crossing.node, idx, embedded)
             weights = (reinsert.base_weight, reinsert.embedded_weight, token_dim)
             new = graph.call_function(blend_tokens, args + weights)
+        elif crossing.prefix_shift:  # [other tokens | kept image tokens] -> full stream
+            args = (crossing.counterpart, crossing.node, idx, crossing.prefix_shift, token_dim)
+            new = graph.call_function(scatter_after_prefix, args)
         else:
             args = (crossing.counterpart, crossing.node, idx, token_dim)
             new = graph.call_function(scatter_tokens, args)
-    _mark(new, crossing.counterpart.meta.get("tread_meta"), "scatter", plan.index)
+    source = crossing.node if crossing.prefix_shift else crossing.counterpart
+    _mark(new, source.meta.get("tread_meta"), "scatter", plan.index)
     for user in crossing.users:
         user.replace_input_with(crossing.node, new)
 

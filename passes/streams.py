@@ -26,6 +26,7 @@ __all__ = [
     "stream_tokens",
     "ends_where_stream_changes",
     "check_one_stream_length",
+    "crossing_prefix",
     "check_no_token_tables_inside",
     "stream_prefix",
     "family_slots",
@@ -45,6 +46,38 @@ def ends_where_stream_changes(info: StreamInfo, route: Route) -> bool:
         return False
     end, start = info.blocks[route.end], info.blocks[route.start]
     return stream_tokens(end, info) != stream_tokens(start, info)
+
+
+def crossing_prefix(g: nx.DiGraph, info: StreamInfo, route: Route) -> int:
+    """Tokens concatenated in front of the stream inside the route (0: none).
+
+    A route may cross the boundary where the model concatenates other tokens (text) in front
+    of the image stream (MMDiT joint -> single blocks): the kept tokens travel through the
+    concatenation and the later blocks see ``T + kept`` tokens. Returns ``T``; refuses a
+    route along which the stream changes in any other way.
+    """
+    start = info.blocks[route.start]
+    last = info.blocks[route.end - 1]
+    base = stream_tokens(start, info)
+    if stream_tokens(last, info) == base:
+        check_one_stream_length(info, route)
+        return 0
+    changed = next(
+        b for b in info.blocks[route.start : route.end] if stream_tokens(b, info) != base
+    )
+    try:
+        extra = stream_prefix(g, info, changed) - stream_prefix(g, info, start)
+    except TokenStreamError:
+        extra = None
+    grown = stream_tokens(changed, info)
+    later = info.blocks[changed.index : route.end]
+    if (
+        extra is None
+        or extra + base != grown
+        or any(stream_tokens(b, info) != grown for b in later)
+    ):
+        check_one_stream_length(info, route)  # raises with the reason
+    return extra
 
 
 def check_one_stream_length(info: StreamInfo, route: Route) -> None:

@@ -273,11 +273,15 @@ def test_single_blocks_on_text_plus_image_keep_the_text_as_prefix():
     assert (info.prefix, info.num_tokens) == (T, T + 16)
 
 
-def test_a_route_across_a_change_of_stream_length_is_refused_precisely():
+def test_a_route_across_the_text_concatenation_routes_the_image_tokens():
+    """Chroma concatenates the text in front of the image between joint and single blocks:
+    the kept image tokens travel through the concatenation (tests/test_mmdit_streams.py)."""
     case = Case("chroma-cross", _chroma, _chroma_inputs, routes=[(1, 3)])
-    model = case.route(case.model())
-    with pytest.raises(tread_fx.errors.TokenStreamError, match="end this one at block 2"):
-        train_forward(model, case)
+    check_eval_is_bitwise_unrouted(case)
+    check_rate_zero_equals_training(case)
+    (info,) = check_routed_shape_count_and_change(case)
+    assert (info.prefix, info.num_tokens) == (0, 16)  # routed where the stream is image-only
+    check_gradients(case)
     case = Case("chroma-joint", _chroma, _chroma_inputs, routes=[(0, 2)])
     check_rate_zero_equals_training(case)  # ending exactly at the change is fine
 

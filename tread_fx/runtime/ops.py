@@ -18,7 +18,14 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["gather_tokens", "scatter_tokens", "blend_tokens", "routed_mask", "call_in_fp32"]
+__all__ = [
+    "gather_tokens",
+    "scatter_tokens",
+    "scatter_after_prefix",
+    "blend_tokens",
+    "routed_mask",
+    "call_in_fp32",
+]
 
 
 def _token_index(idx: torch.Tensor, like: torch.Tensor, token_dim: int) -> torch.Tensor:
@@ -62,6 +69,24 @@ def scatter_tokens(
     out = torch.empty_like(base, dtype=dtype, memory_format=layout)
     out.copy_(base)
     return out.scatter_(token_dim, index, src.to(dtype))
+
+
+def scatter_after_prefix(
+    base: torch.Tensor, src: torch.Tensor, idx: torch.Tensor, prefix: int, token_dim: int = 1
+) -> torch.Tensor:
+    """Like :func:`scatter_tokens` for a stream that gained ``prefix`` other tokens in front
+    inside the route (text concatenated before the image tokens): ``src`` is
+    ``[other | kept]``, ``base`` the image stream at the route start; returns
+    ``[other | base with the kept tokens written back]``.
+
+    Example:
+        >>> base, src = torch.zeros(1, 4, 1), torch.ones(1, 3, 1)
+        >>> scatter_after_prefix(base, src, torch.tensor([[1, 3]]), 1)[0, :, 0].tolist()
+        [1.0, 0.0, 1.0, 0.0, 1.0]
+    """
+    other, kept = src.split([prefix, src.shape[token_dim] - prefix], dim=token_dim)
+    image = scatter_tokens(base, kept, idx, token_dim)
+    return torch.cat([other.to(image.dtype), image], dim=token_dim)
 
 
 def blend_tokens(
