@@ -58,6 +58,7 @@ from tread_fx.passes.trace_support import (
     user_frame,
 )
 from tread_fx.registry import leaf_functions, leaf_modules
+from tread_fx.runtime.guards import check_traced_value
 
 __all__ = [
     "TensorMeta",
@@ -79,6 +80,7 @@ _METADATA_METHODS = frozenset(
 )  # fmt: skip
 # read as Python values: dtype and device are part of the signature guard (torch.finfo(x.dtype))
 _CONCRETE_ATTRS = frozenset({"dtype", "device", "layout", "is_cuda", "is_sparse", "is_quantized"})
+_GUARD_KINDS = {"bool()": "bool", "int()": "int", "an index": "int", "float()": "float"}
 _DATA_METHODS = frozenset({"item", "tolist", "numpy", "__bool__", "__int__", "__float__"})
 
 
@@ -151,6 +153,13 @@ class ValueProxy(fx.Proxy):
 
 class ValueAttribute(ValueProxy, Attribute):
     """Lazy attribute access (``x.shape``, ``x.view``) that also carries its value."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        tracer, value = self.tracer, self.tracer.value_of(self.root)
+        model_level = not tracer.module_stack and not tracer.running_eager
+        if self.attr in ("item", "tolist") and model_level and isinstance(value, torch.Tensor):
+            return tracer.guarded(self.root, value, self.attr, f"Tensor.{self.attr}()")
+        return super().__call__(*args, **kwargs)
 
 
 @dataclass
@@ -234,6 +243,7 @@ class ValueTracer(fx.Tracer):
         self.module_stack: list[str] = []
         self.running_eager = 0
         self.checkpointed: set[int] = set()
+        self.guards: list[tuple[str, str, Any]] = []  # (what, where, traced value)
 
     # -- values -----------------------------------------------------------------------------
     def proxy(self, node: fx.Node) -> fx.Proxy:
@@ -250,14 +260,26 @@ class ValueTracer(fx.Tracer):
         )
 
     def concrete(self, proxy: fx.Proxy, what: str) -> Any:
-        """Return a proxy's Python value if it is shape-derived, else refuse."""
+        """Return a proxy's Python value if it is shape-derived; a value read from tensor data
+        in the model's own forward is returned with a runtime guard; else refuse."""
         value = self.value_of(proxy)
+        if isinstance(value, torch.Tensor) and not self.module_stack and not self.running_eager:
+            return self.guarded(proxy, value, _GUARD_KINDS.get(what, "item"), what)
         if isinstance(value, torch.Tensor) or proxy.node in self.tainted:
             raise DataDependentError(
                 f"{what} of a value computed from tensor data",
                 self.module_stack[-1] if self.module_stack else None,
                 user_frame(),
             )
+        return value
+
+    def guarded(self, proxy: fx.Proxy, tensor: torch.Tensor, kind: str, what: str) -> Any:
+        """The Python value of ``tensor`` read as ``kind``, checked on every routed call."""
+        reads = {"bool": bool, "int": int, "float": float, "tolist": torch.Tensor.tolist}
+        value = reads.get(kind, torch.Tensor.item)(tensor)
+        where = user_frame()
+        self.create_proxy("call_function", check_traced_value, (proxy, value, kind, where), {})
+        self.guards.append((what, where, value))
         return value
 
     def structure(self, proxy: fx.Proxy, what: str) -> Any:

@@ -18,6 +18,7 @@ from third_party_checks import (
 from torch import nn
 
 import tread_fx
+from tread_fx.runtime.guards import check_traced_value
 
 einops = pytest.importorskip("einops")
 
@@ -202,3 +203,59 @@ def test_rate_zero_blocks_see_the_stream_with_its_own_strides():
         model.train()(*_inputs()[0])  # traces (one real call), then runs the routed graph
     unrouted, routed = calls[0][0][0], calls[-1][0][0]
     assert not unrouted.is_contiguous() and routed.stride() == unrouted.stride()
+
+
+class DataDependent(Backbone):
+    """Python that reads tensor data in the model's own forward: a branch on ``mask.any()``
+    and a count read with ``.item()`` (HunyuanVideo 1.5, Wan-Animate)."""
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.tokens(x)
+        if mask.any():  # a guard: checked again on every routed call
+            h = h * 2
+        shift = mask.sum().item()
+        h = h + shift
+        for block in self.blocks:
+            h = block(h)
+        return self.unpatchify(self.head(h), x.shape[2], x.shape[3])
+
+
+def _masked(on: bool):
+    x = _inputs()[0][0]
+    return (x, torch.full((B, 3), on)), {}
+
+
+DATA_CASE = Case("data-dependent", DataDependent, lambda: _masked(True), routes=[(1, 3)])
+
+
+def test_data_dependent_python_routes_with_guards():
+    check_eval_is_bitwise_unrouted(DATA_CASE)
+    check_rate_zero_equals_training(DATA_CASE)
+    check_routed_shape_count_and_change(DATA_CASE)
+    check_gradients(DATA_CASE)
+    model = DATA_CASE.route(DATA_CASE.model())
+    model.train()(*_masked(True)[0])
+    gm = tread_fx.routed_graphs(model)[0].gm
+    assert sum(n.target is check_traced_value for n in gm.graph.nodes) == 2
+
+
+def test_a_changed_data_dependent_value_traces_again_in_eager():
+    model = DATA_CASE.model()
+    with torch.no_grad():
+        expected = model.train()(*_masked(False)[0])
+    DATA_CASE.route(model, rate=0.0)
+    model.train()(*_masked(True)[0])
+    with torch.no_grad():
+        out = model.train()(*_masked(False)[0])  # the guard fails: traced again, not wrong
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.slow
+def test_a_changed_data_dependent_value_is_a_clear_error_when_compiled():
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    model = DATA_CASE.route(DATA_CASE.model(), compile={"backend": "aot_eager"})
+    model.train()(*_masked(True)[0])  # fullgraph=True: the guards add no graph break
+    with pytest.raises(tread_fx.RoutedGraphError, match="test_trace_real_forwards.py"):
+        model.train()(*_masked(False)[0])

@@ -39,6 +39,7 @@ from tread_fx.errors import (
 from tread_fx.passes.rewrite import Reinsert
 from tread_fx.pipeline import Built, build
 from tread_fx.routes import Route
+from tread_fx.runtime.guards import GUARD_MARK
 from tread_fx.runtime.ops import routed_mask
 
 __all__ = ["route", "unroute", "route_info", "is_routed", "routed_graphs", "RouteInfo"]
@@ -138,7 +139,18 @@ class _RoutingState:
         tensors = [flat[i] for i in entry.built.traced.tensor_positions]
         device = tensors[0].device if tensors else torch.device("cpu")
         noises = [self._noise(s, device) for s in entry.noise_shapes]
-        out = self._run(entry, tensors, noises)
+        try:
+            out = self._run(entry, tensors, noises)
+        except _TracedValueChanged as changed:
+            if self.compile:
+                raise RoutedGraphError(
+                    f"a value the model's forward reads from tensor data changed{changed} "
+                    "(this call's inputs differ from the traced ones there). A compiled routed "
+                    "graph cannot trace again by itself: call route(..., compile=False), or "
+                    "keep that value fixed across training calls."
+                ) from changed
+            entry = self.entries[key] = self._build(model, args, kwargs, config)
+            out = self._run(entry, tensors, noises)  # traced again for these inputs
         n = entry.built.num_model_outputs
         self.last_info = [
             RouteInfo(
@@ -154,13 +166,15 @@ class _RoutingState:
         return pytree.tree_unflatten(list(out[:n]), entry.built.traced.out_spec)
 
     def _run(self, entry: _Entry, tensors: list, noises: list) -> tuple:
-        if entry.checked:
-            return entry.fn(entry.built.traced.wrapper, *tensors, *noises)
         try:
             out = entry.fn(entry.built.traced.wrapper, *tensors, *noises)
         except TreadFxError:
             raise
         except Exception as err:
+            if GUARD_MARK in str(err):
+                raise _TracedValueChanged(str(err).split(GUARD_MARK)[-1]) from err
+            if entry.checked:
+                raise
             raise RoutedGraphError(
                 f"the routed graph failed on its first call ({type(err).__name__}: {err}), "
                 "while the original forward traced fine. A block or the code between blocks "
@@ -180,6 +194,10 @@ class _RoutingState:
             options = self.compile if isinstance(self.compile, dict) else {}
             fn = torch.compile(fn, **{"fullgraph": True, "dynamic": False, **options})
         return _Entry(built, fn, [(p.layout.batch_size, p.units) for p in built.plans])
+
+
+class _TracedValueChanged(Exception):
+    """A runtime guard of the routed graph failed: re-trace (eager) or refuse (compiled)."""
 
 
 def _hashable(value: Any) -> Any:

@@ -9,7 +9,7 @@ Example:
     True
 """
 
-from tread_fx.runtime import ops, selection
+from tread_fx.runtime import guards, ops, selection
 from tread_fx.runtime.selection import Strategy, get_strategy, register_strategy
 
-__all__ = ["Strategy", "get_strategy", "ops", "register_strategy", "selection"]
+__all__ = ["Strategy", "get_strategy", "guards", "ops", "register_strategy", "selection"]

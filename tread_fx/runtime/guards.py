@@ -1,0 +1,53 @@
+"""Runtime guards for values the tracer read from tensor data.
+
+When the model's own forward turns tensor *data* into Python (``if mask.any():``,
+``n = lengths.max().item()``), the tracer resolves it with the traced inputs' value and
+inserts :func:`check_traced_value` into the routed graph: every call recomputes the value
+from its inputs and checks it against the traced one. A mismatch raises a ``RuntimeError``
+carrying :data:`GUARD_MARK` and the file and line; ``route()`` then traces again for those
+inputs (eager) or raises a clear error (compiled). The check is one ``torch._assert_async``,
+so ``torch.compile(fullgraph=True)`` compiles it without a graph break.
+
+Example:
+    >>> import torch
+    >>> check_traced_value(torch.tensor([0, 1]).any(), True, "bool", "model.py:3")
+    >>> try:
+    ...     check_traced_value(torch.tensor(3), 2, "int", "model.py:4")
+    ... except RuntimeError as err:
+    ...     print(GUARD_MARK in str(err))
+    True
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx
+
+__all__ = ["GUARD_MARK", "check_traced_value"]
+
+GUARD_MARK = "tread_fx traced-value guard"
+
+
+@torch.fx.node.has_side_effect
+def check_traced_value(value: Any, expected: Any, kind: str, where: str) -> None:
+    """Check that ``value`` (a tensor) still gives the Python value ``expected``.
+
+    Args:
+        value: The tensor the forward read (``mask.any()``, ``lengths.max()``).
+        expected: What it gave when traced (``bool``, ``int``, ``float`` or nested lists).
+        kind: How the forward read it: ``"bool"``, ``"int"``, ``"float"`` or ``"item"``.
+        where: ``file:line`` of the read, for the error.
+    """
+    message = f"{GUARD_MARK}: the value read at {where} differs from the traced {expected!r}"
+    target = torch.as_tensor(expected, device=value.device)
+    if tuple(value.shape) != tuple(target.shape) and target.dim() > 0:
+        raise RuntimeError(message)
+    if kind == "bool":
+        same = (value != 0) == target
+    elif kind == "int":
+        same = value.trunc() == target if value.is_floating_point() else value == target
+    else:
+        same = value == target.to(value.dtype)
+    torch._assert_async(same.all(), message)
