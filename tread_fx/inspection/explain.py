@@ -29,6 +29,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from tread_fx.api import check_call
 from tread_fx.config import RoutingConfig, resolve_config
 from tread_fx.errors import SideInputError
 from tread_fx.inspection.explanation import (
@@ -63,6 +64,7 @@ __all__ = ["explain", "Explanation", "RouteReport", "BlockReport", "SideInput", 
 
 def _build(model: nn.Module, args: tuple, kwargs: dict, config: RoutingConfig) -> tuple:
     """Build strictly; on a strict refusal, build leniently and note what was refused."""
+    check_call(model, args, kwargs)
     try:
         return build(model, args, kwargs, config), None
     except SideInputError as err:
