@@ -8,6 +8,7 @@ the command the text around it shows.
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import shlex
@@ -61,3 +62,52 @@ def test_relative_links_point_inside_the_repository(doc: Path) -> None:
         path = (doc.parent / target).resolve()
         assert path.is_relative_to(ROOT), f"{doc.name} links {target}, outside the repository"
         assert path.exists(), f"{doc.name} links {target}, which does not exist"
+
+
+def _readme_commands() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    commands = []
+    for block in re.findall(r"^```bash\n(.*?)^```$", text, re.S | re.M):
+        for line in block.splitlines():
+            line = line.split("  #")[0].strip()
+            if line and not line.startswith("#"):
+                commands.extend(part.strip() for part in line.split("&&"))
+    inline = re.findall(r"`(\.venv/bin/[^`\n]+ [^`\n]+)`", text)  # a command, not a bare path
+    commands += inline
+    return commands
+
+
+def test_every_readme_command_works_after_command_1_as_written() -> None:
+    """After ``bash scripts/setup.sh`` the venv has python and tread-fx, not a PATH entry."""
+    commands = _readme_commands()
+    assert len(commands) >= 10
+    saved = set(re.findall(r"Save as `([^`]+\.py)`", (ROOT / "README.md").read_text()))
+    for command in commands:
+        words = shlex.split(command)
+        assert command.startswith(("bash scripts/setup.sh", "bash benchmarks/", ".venv/bin/")), (
+            f"README command {command!r} needs an activated venv; call .venv/bin/... instead"
+        )
+        assert words[0] in ("bash", ".venv/bin/python", ".venv/bin/tread-fx"), command
+        if words[0] == "bash":
+            assert (ROOT / words[1]).is_file(), command
+        elif words[0] == ".venv/bin/python" and words[1] == "-m":
+            module = words[2]
+            found = module in ("pytest", "torch.distributed.run")
+            assert found or (ROOT / (module.replace(".", "/") + ".py")).is_file(), command
+            scripts = [w for w in words[3:] if w.endswith(".py") and w not in saved]
+            assert all((ROOT / w).is_file() for w in scripts), command
+        elif words[0] == ".venv/bin/python":
+            assert (ROOT / words[1]).is_file(), command
+        else:
+            module, factory = words[2].split(":")
+            assert hasattr(importlib.import_module(module), factory), command
+
+
+@pytest.mark.parametrize("index", [0, 2], ids=["explain-text", "diff-dot"])
+def test_the_readme_inspect_commands_run(index: int) -> None:
+    commands = [c for c in _readme_commands() if c.startswith(".venv/bin/tread-fx")]
+    words = shlex.split(commands[index])
+    cli = [sys.executable, "-m", "tread_fx.inspection.cli", *words[1:]]
+    done = subprocess.run(cli, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip()

@@ -108,3 +108,29 @@ def test_route_info_looks_through_compile_and_data_parallel() -> None:
         assert tread_fx.route_info(wrapper) is tread_fx.route_info(model)
     with pytest.raises(tread_fx.WrappedModelError, match="_orig_mod"):
         tread_fx.route(compiled, [(1, 3)])  # routing still wants the model itself
+
+
+def test_pyproject_license_is_an_spdx_expression() -> None:
+    from pathlib import Path
+
+    import tomllib
+
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert pyproject["project"]["license"] == "Apache-2.0"  # PEP 639, setuptools >= 77
+    classifiers = pyproject["project"].get("classifiers", [])
+    assert not any(c.startswith("License ::") for c in classifiers)
+    assert any(r.startswith("setuptools>=7") for r in pyproject["build-system"]["requires"])
+
+
+def test_the_cli_says_what_it_is_doing_on_stderr(capsys) -> None:
+    from tread_fx.inspection.cli import main
+
+    tiny = '{"depth": 4, "input_size": 8, "in_channels": 1, "num_classes": 10}'
+    threads = torch.get_num_threads()
+    assert main(["explain", "tread_fx.models:DiT_S_2", "--routes", "1:3", "--kwargs", tiny]) == 0
+    out, err = capsys.readouterr()
+    for stage in ("tracing", "planning", "FLOPs", "done in"):
+        assert stage in err, err
+    assert "tracing" not in out and torch.get_num_threads() == threads
+    assert main(["diff", "tread_fx.models:DiT_S_2", "--kwargs", tiny, "-q", "--routes", "1:3"]) == 0
+    assert capsys.readouterr().err == ""
