@@ -134,3 +134,13 @@ def test_the_cli_says_what_it_is_doing_on_stderr(capsys) -> None:
     assert "tracing" not in out and torch.get_num_threads() == threads
     assert main(["diff", "tread_fx.models:DiT_S_2", "--kwargs", tiny, "-q", "--routes", "1:3"]) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_resized_nodes_are_not_marked_as_unchanged_in_the_text_diff() -> None:
+    model = tiny_dit(depth=4)
+    inputs = (torch.randn(1, 1, 8, 8), torch.rand(1), torch.tensor([1]))
+    diff = tread_fx.explain(model, [(1, 3)], 0.5, inputs, flops=False).diff
+    lines = str(diff).splitlines()
+    resized = [line for line in lines if line.split()[1:2] == ["model_blocks_2"]]
+    assert resized and all(line.lstrip().startswith("* ") for line in resized), lines
+    assert not any(line.lstrip().startswith("= ") for line in lines)
