@@ -337,10 +337,18 @@ def locate(
             chain = chain[: chain.index(err.list_path)]
     carried = {p: _carried_slots([b for b in blocks if b.list_path == p]) for p in chain}
     meta = blocks[0].stream_in.meta.get("tread_meta")
-    if not isinstance(meta, TensorMeta) or len(meta.shape) < 2:
+    if not isinstance(meta, TensorMeta) or len(meta.shape) != 3:
+        found = (
+            f"a {len(meta.shape)}-D tensor of shape {list(meta.shape)}"
+            if isinstance(meta, TensorMeta)
+            else repr(meta)
+        )
         raise TokenStreamError(
-            f"the value entering block {blocks[0].path} is {meta!r}, not a [batch, tokens, "
-            "...] tensor; tread_fx routes token sequences only."
+            f"no token sequence flows through {', '.join(chain)}: the value entering block "
+            f"{blocks[0].path} is {found}, not a 3-D [batch, tokens, dim] (or [tokens, batch, "
+            "dim]) tensor (a 4-D value is a feature map such as [B, C, H, W], whose axes are "
+            "not tokens). tread_fx routes token sequences only: pass blocks= naming a "
+            "container whose blocks take token sequences, or route a token-based backbone."
         )
     batch_dim, token_dim, batch = _layout(meta, primary)
     num_tokens = meta.shape[token_dim]

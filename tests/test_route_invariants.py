@@ -1,4 +1,4 @@
-"""DESIGN §5 invariants of route()/unroute() on the reference DiT and timm's ViT."""
+"""docs/design.md#invariants: route()/unroute() on the reference DiT and timm's ViT."""
 
 from __future__ import annotations
 

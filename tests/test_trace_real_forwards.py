@@ -1,7 +1,7 @@
 """Forwards as real models write them: item assignment, in-place ops, torch.finfo, einops.
 
 Each model here is self-written and does exactly one of the things that stopped the tracer
-in the diffusers-suite sweep; each is checked against the DESIGN §5 invariants.
+in the diffusers-suite sweep; each is checked against docs/design.md#invariants.
 """
 
 from __future__ import annotations

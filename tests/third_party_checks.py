@@ -1,4 +1,4 @@
-"""Shared checks for routing unmodified third-party models (DESIGN §5 invariants).
+"""Shared checks for routing unmodified third-party models (docs/design.md#invariants).
 
 Each model case is a :class:`Case`: a factory for a fresh model (tiny random config, no
 weights) and its inputs. ``check_*`` functions route a fresh model and assert one invariant.

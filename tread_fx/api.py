@@ -17,6 +17,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import inspect
 import types
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -42,7 +43,16 @@ from tread_fx.routes import Route
 from tread_fx.runtime.guards import GUARD_MARK
 from tread_fx.runtime.ops import routed_mask
 
-__all__ = ["route", "unroute", "route_info", "is_routed", "routed_graphs", "RouteInfo"]
+__all__ = [
+    "route",
+    "unroute",
+    "route_info",
+    "is_routed",
+    "routed_graphs",
+    "RouteInfo",
+    "check_call",
+    "unwrap",
+]
 
 _STATE = "_tread_fx"
 _MAX_TRACES = 8
@@ -188,6 +198,7 @@ class _RoutingState:
     def _build(
         self, model: nn.Module, args: tuple, kwargs: dict, config: RoutingConfig | None = None
     ) -> _Entry:
+        check_call(model, args, kwargs)
         built = build(model, args, kwargs, config or self.config)
         fn = type(built.gm).forward
         if self.compile:
@@ -225,6 +236,66 @@ def _routed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if not self.training and state.forced is None:
         return type(self).forward(self, *args, **kwargs)
     return state.call(self, args, kwargs)
+
+
+def check_call(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Raise the ``TypeError`` the unrouted model raises for a call that does not fit its forward.
+
+    A missing or unexpected argument is the caller's mistake, not the tracer's: it is reported
+    exactly as ``type(model).forward`` reports it, before anything is traced.
+
+    Args:
+        model: The (unwrapped) model.
+        args: Positional arguments of the call (without ``self``).
+        kwargs: Keyword arguments of the call.
+
+    Raises:
+        TypeError: The arguments do not bind to ``type(model).forward``.
+
+    Example:
+        >>> import tread_fx
+        >>> model = tread_fx.models.DiT_S_2(input_size=8, depth=2)
+        >>> check_call(model, (1, 2), {})
+        Traceback (most recent call last):
+        TypeError: DiT.forward() missing 1 required positional argument: 'y'
+    """
+    forward = inspect.unwrap(type(model).forward)
+    if not inspect.isfunction(forward) or hasattr(forward, "__signature__"):
+        return  # a builtin or a declared signature: let the call itself decide
+    try:
+        inspect.signature(forward).bind(model, *args, **kwargs)
+    except TypeError:
+        # Binding fails the same way for the real function, before its body runs, so this
+        # raises the very TypeError the unrouted model raises (same message).
+        forward(model, *args, **kwargs)
+        raise
+
+
+_WRAPPER_ATTRIBUTES = {
+    "DistributedDataParallel": "module",
+    "DataParallel": "module",
+    "FullyShardedDataParallel": "module",
+    "OptimizedModule": "_orig_mod",
+}
+
+
+def unwrap(model: Any) -> Any:
+    """The model inside DDP / DataParallel / FSDP / ``torch.compile`` wrappers (any nesting).
+
+    Example:
+        >>> import torch, tread_fx
+        >>> model = tread_fx.models.DiT_S_2(input_size=8, depth=2)
+        >>> unwrap(torch.nn.DataParallel(model)) is model
+        True
+    """
+    seen = 0
+    while seen < 16:
+        attribute = _WRAPPER_ATTRIBUTES.get(type(model).__name__)
+        inner = getattr(model, attribute, None) if attribute else None
+        if not isinstance(inner, nn.Module):
+            return model
+        model, seen = inner, seen + 1
+    return model
 
 
 def _check_unwrapped(model: Any) -> None:
@@ -358,21 +429,25 @@ def _split_example(example: Any) -> tuple[tuple, dict]:
 
 
 def is_routed(model: nn.Module) -> bool:
-    """Whether ``route()`` was applied to ``model`` (and not undone)."""
-    return _STATE in getattr(model, "__dict__", {})
+    """Whether ``route()`` was applied to ``model`` (and not undone) (through wrappers)."""
+    return _STATE in getattr(unwrap(model), "__dict__", {})
 
 
 def _state(model: nn.Module, what: str) -> _RoutingState:
-    if not is_routed(model):
+    inner = unwrap(model)
+    if not is_routed(inner):
+        wrapped = "" if inner is model else f" (inside a {type(model).__name__})"
         raise NotRoutedError(
-            f"{what}() was called on a {type(model).__name__} that is not routed; call "
+            f"{what}() was called on a {type(inner).__name__}{wrapped} that is not routed; call "
             "tread_fx.route(model, routes=...) first."
         )
-    return model.__dict__[_STATE]
+    return inner.__dict__[_STATE]
 
 
 def unroute(model: nn.Module) -> nn.Module:
     """Undo ``route()``: the model is exactly as before (same forward, no extra state).
+
+    Wrappers (DDP, FSDP, ``torch.compile``) are looked through; the argument is returned.
 
     Example:
         >>> import tread_fx
@@ -381,13 +456,17 @@ def unroute(model: nn.Module) -> nn.Module:
         False
     """
     _state(model, "unroute")
-    del model.__dict__[_STATE]
-    model.__dict__.pop("forward", None)
+    inner = unwrap(model)
+    del inner.__dict__[_STATE]
+    inner.__dict__.pop("forward", None)
     return model
 
 
 def route_info(model: nn.Module) -> list[RouteInfo] | None:
     """Per-route info of the last routed training call (``None`` before the first).
+
+    ``model`` may be the routed model or a DDP / DataParallel / FSDP / ``torch.compile``
+    wrapper around it (the wrapper is looked through).
 
     Example:
         >>> import tread_fx

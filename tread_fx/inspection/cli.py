@@ -25,6 +25,7 @@ import importlib
 import json
 import os
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -193,6 +194,14 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--full", action="store_true", help="also draw Python-value nodes")
         p.add_argument("--no-flops", action="store_true", help="skip ATen/FLOP counting")
         p.add_argument("--debug", action="store_true", help="show tracebacks")
+        p.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr")
+        p.add_argument(
+            "--threads",
+            type=int,
+            default=1,
+            help="torch intra-op threads (default 1: tracing runs many tiny ops, and more "
+            "threads spin-wait for each other on a busy machine)",
+        )
     return parser
 
 
@@ -231,9 +240,22 @@ def _diff_text(exp: Any) -> str:
 def _run(args: argparse.Namespace) -> str:
     import torch
 
+    threads = torch.get_num_threads()
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    try:
+        return _explain_and_render(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _explain_and_render(args: argparse.Namespace) -> str:
+    import torch
+
     from tread_fx.inspection.explain import explain
     from tread_fx.inspection.inputs import example_inputs
 
+    say = _Progress(quiet=args.quiet)
     torch.manual_seed(args.seed)
     model = load_model(args.model, _json_kwargs(args.model_kwargs))
     shape = parse_shape(args.input_shape) if args.input_shape else None
@@ -250,6 +272,7 @@ def _run(args: argparse.Namespace) -> str:
             keep_prefix=args.keep_prefix,
             strict=not args.no_strict,
             flops=args.command == "explain" and not args.no_flops,
+            progress=say,
         )
     except TreadFxError:
         raise
@@ -261,7 +284,28 @@ def _run(args: argparse.Namespace) -> str:
             f"{[tuple(t.shape) for t in inputs[0]]}: {type(err).__name__}: {err}. Check "
             "--input-shape / --model-kwargs, or rerun with --debug for the traceback."
         ) from None
-    return _render(exp, args)
+    say(f"rendering {args.format}")
+    text = _render(exp, args)
+    say.done()
+    return text
+
+
+class _Progress:
+    """Prints ``tread-fx: <stage>... (elapsed)`` to stderr, so a long trace is never silent."""
+
+    def __init__(self, quiet: bool = False) -> None:
+        self.quiet = quiet
+        self.start = time.perf_counter()
+
+    def __call__(self, line: str) -> None:
+        if not self.quiet:
+            elapsed = time.perf_counter() - self.start
+            print(f"tread-fx: {line}... [{elapsed:.1f} s]", file=sys.stderr, flush=True)
+
+    def done(self) -> None:
+        if not self.quiet:
+            total = time.perf_counter() - self.start
+            print(f"tread-fx: done in {total:.1f} s", file=sys.stderr, flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

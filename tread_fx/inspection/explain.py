@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from tread_fx.api import check_call
 from tread_fx.config import RoutingConfig, resolve_config
 from tread_fx.errors import SideInputError
 from tread_fx.inspection.explanation import (
@@ -63,6 +65,7 @@ __all__ = ["explain", "Explanation", "RouteReport", "BlockReport", "SideInput", 
 
 def _build(model: nn.Module, args: tuple, kwargs: dict, config: RoutingConfig) -> tuple:
     """Build strictly; on a strict refusal, build leniently and note what was refused."""
+    check_call(model, args, kwargs)
     try:
         return build(model, args, kwargs, config), None
     except SideInputError as err:
@@ -230,6 +233,7 @@ def explain(
     share_selection: bool | None = None,
     fp32_reentry: bool = False,
     flops: bool = True,
+    progress: Callable[[str], None] | None = None,
 ) -> Explanation:
     """Explain what ``route(model, routes, rate, ...)`` would do; the model is not modified.
 
@@ -249,6 +253,8 @@ def explain(
             needed (``None``), always (``True``) or never (``False``).
         fp32_reentry: As for ``route()``: the first block after each route runs in float32.
         flops: Count ATen ops and FLOPs (``make_fx`` on fake tensors); ``False`` is faster.
+        progress: Called with a short line before each stage (tracing, planning, FLOP
+            counting); the ``tread-fx`` command prints them to stderr.
 
     Returns:
         An :class:`Explanation`; ``print()`` it for the report, ``.to_json()`` for tools.
@@ -277,8 +283,11 @@ def explain(
     args, kwargs = _split(example_inputs)
     modes = [(m, m.training) for m in model.modules()]
     model.train()
+    say = progress or (lambda _line: None)
     try:
+        say("tracing the routed call and planning the routes (one real forward)")
         built, refusal = _build(model, args, kwargs, config)
+        say("tracing the original graph (one more real forward)")
         with recording_specialisations() as records:
             original = trace_call(
                 model, args, kwargs, block_leaf_paths(model, built.info.list_paths)
@@ -295,6 +304,7 @@ def explain(
             for p in built.plans
         ]
         found = (built, original, refusal)
+        say("counting ATen ops and FLOPs of both graphs" if flops else "diffing the graphs")
         return _assemble(model, (args, kwargs), found, guards, names, config, flops)
     finally:
         for module, mode in modes:

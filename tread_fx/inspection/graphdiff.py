@@ -129,7 +129,7 @@ class GraphDiff:
         for name in self.resized:
             before = self.original.nodes[back[name]]["shape"]
             after = g.nodes[name]["shape"]
-            lines.append(f"= {name:<24} {_fmt(before)} -> {_fmt(after)}")
+            lines.append(f"* {name:<24} {_fmt(before)} -> {_fmt(after)}")
         return "\n".join(lines)
 
 

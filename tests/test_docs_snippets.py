@@ -1,0 +1,113 @@
+"""Every ```python block in README.md and docs/*.md runs as pasted; links stay inside the repo.
+
+A block runs in a fresh interpreter (``python -c``-style, from the repository root), so blocks
+that register adapters or start process groups cannot leak into other tests. A block whose first
+line is ``# docs-test: torchrun ARGS`` runs as ``python -m torch.distributed.run ARGS block.py``,
+the command the text around it shows.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+BLOCK = re.compile(r"^```python\n(.*?)^```$", re.S | re.M)
+TORCHRUN = re.compile(r"^# docs-test: torchrun (.*)$", re.M)
+
+
+def _blocks() -> list:
+    found = []
+    for doc in DOCS:
+        text = doc.read_text()
+        for match in BLOCK.finditer(text):
+            line = text.count("\n", 0, match.start()) + 1
+            found.append(pytest.param(match.group(1), id=f"{doc.relative_to(ROOT)}:{line}"))
+    return found
+
+
+@pytest.mark.parametrize("code", _blocks())
+def test_python_block_runs_as_pasted(code: str, tmp_path: Path) -> None:
+    script = tmp_path / "snippet.py"
+    script.write_text(code)
+    command = [sys.executable, str(script)]
+    torchrun = TORCHRUN.match(code)
+    if torchrun:
+        command = [sys.executable, "-m", "torch.distributed.run", *shlex.split(torchrun[1])]
+        command.append(str(script))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ""}
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"{' '.join(command)} failed:\n{done.stdout}\n{done.stderr}"
+
+
+def test_the_docs_have_python_blocks_and_a_torchrun_one() -> None:
+    blocks = [p.values[0] for p in _blocks()]
+    assert len(blocks) >= 4
+    assert any(TORCHRUN.match(code) for code in blocks)
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_point_inside_the_repository(doc: Path) -> None:
+    for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", doc.read_text()):
+        if re.match(r"[a-z]+://", target):
+            continue
+        path = (doc.parent / target).resolve()
+        assert path.is_relative_to(ROOT), f"{doc.name} links {target}, outside the repository"
+        assert path.exists(), f"{doc.name} links {target}, which does not exist"
+
+
+def _readme_commands() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    commands = []
+    for block in re.findall(r"^```bash\n(.*?)^```$", text, re.S | re.M):
+        for line in block.splitlines():
+            line = line.split("  #")[0].strip()
+            if line and not line.startswith("#"):
+                commands.extend(part.strip() for part in line.split("&&"))
+    inline = re.findall(r"`(\.venv/bin/[^`\n]+ [^`\n]+)`", text)  # a command, not a bare path
+    commands += inline
+    return commands
+
+
+def test_every_readme_command_works_after_command_1_as_written() -> None:
+    """After ``bash scripts/setup.sh`` the venv has python and tread-fx, not a PATH entry."""
+    commands = _readme_commands()
+    assert len(commands) >= 10
+    saved = set(re.findall(r"Save as `([^`]+\.py)`", (ROOT / "README.md").read_text()))
+    for command in commands:
+        words = shlex.split(command)
+        assert command.startswith(("bash scripts/setup.sh", "bash benchmarks/", ".venv/bin/")), (
+            f"README command {command!r} needs an activated venv; call .venv/bin/... instead"
+        )
+        assert words[0] in ("bash", ".venv/bin/python", ".venv/bin/tread-fx"), command
+        if words[0] == "bash":
+            assert (ROOT / words[1]).is_file(), command
+        elif words[0] == ".venv/bin/python" and words[1] == "-m":
+            module = words[2]
+            found = module in ("pytest", "torch.distributed.run")
+            assert found or (ROOT / (module.replace(".", "/") + ".py")).is_file(), command
+            scripts = [w for w in words[3:] if w.endswith(".py") and w not in saved]
+            assert all((ROOT / w).is_file() for w in scripts), command
+        elif words[0] == ".venv/bin/python":
+            assert (ROOT / words[1]).is_file(), command
+        else:
+            module, factory = words[2].split(":")
+            assert hasattr(importlib.import_module(module), factory), command
+
+
+@pytest.mark.parametrize("index", [0, 2], ids=["explain-text", "diff-dot"])
+def test_the_readme_inspect_commands_run(index: int) -> None:
+    commands = [c for c in _readme_commands() if c.startswith(".venv/bin/tread-fx")]
+    words = shlex.split(commands[index])
+    cli = [sys.executable, "-m", "tread_fx.inspection.cli", *words[1:]]
+    done = subprocess.run(cli, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip()
