@@ -440,9 +440,10 @@ def train(args: argparse.Namespace) -> dict:
                 record["val_loss"]
                 and f" | val {record['val_loss']:.4f} (ema {record['val_loss_ema']:.4f})"
             )
+            eta = (args.steps - step) / max(record["steps_per_s"], 1e-9)
             say(
-                f"step {step} | loss {record['train_loss']:.4f}{val or ''} | "
-                f"{record['steps_per_s']:.1f} it/s"
+                f"step {step}/{args.steps} | loss {record['train_loss']:.4f}{val or ''} | "
+                f"{record['steps_per_s']:.1f} it/s | ETA {tu.format_seconds(eta)}"
             )
             last_log_step, last_log_time, loss_sum, loss_count = step, train_time, 0.0, 0
         if (args.save_every and step % args.save_every == 0) or stop:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from diffusion import sample
 
 __all__ = ["CSV_FIELDS", "Logger", "Shards", "all_reduce_floats", "gather_rng_states", "generate"]
-__all__ += ["final_fid", "ranks_in_sync", "save_grid"]
+__all__ += ["final_fid", "format_seconds", "ranks_in_sync", "save_grid"]
 
 CSV_FIELDS = ("step", "time_s", "train_loss", "val_loss", "val_loss_ema", "steps_per_s", "lr")
 
@@ -162,3 +162,15 @@ def final_fid(
     logger.log({"event": "fid", "step": step, **result})
     say("final: " + ", ".join(f"{k} {v:.4g}" for k, v in result.items() if v is not None))
     return result
+
+
+def format_seconds(seconds: float) -> str:
+    """``h:mm:ss`` (or ``m:ss``) for progress lines.
+
+    Example:
+        >>> format_seconds(3725.2), format_seconds(65)
+        ('1:02:05', '1:05')
+    """
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"

@@ -6,6 +6,7 @@ import csv
 import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -34,6 +35,10 @@ def test_subprocess_baseline_run(tmp_path):
     assert proc.returncode == 0, proc.stderr
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [2, 4]
+    # non-TTY output (no bar): each log line shows the total and an ETA
+    assert re.search(
+        r"step 2/4 \| loss [0-9.]+ \| [0-9.]+ it/s \| ETA \d+:\d\d", proc.stdout + proc.stderr
+    )
     last = records[-1]
     assert {"step", "time_s", "train_loss", "val_loss", "steps_per_s"} <= last.keys()
     assert last["val_loss"] > 0 and last["time_s"] > 0 and last["steps_per_s"] > 0
