@@ -356,3 +356,18 @@ def test_explain_runs_a_data_dependent_leaf_on_real_values():
     assert exp.flops.original.flops == _direct_flops(model, args)
     tread_fx.route(model, [(1, 3)], 0.5, seed=0)
     assert model.train()(*args).shape == (2, 2, 8, 8)
+
+
+def test_a_failed_flop_count_still_prints_the_report(monkeypatch):
+    import importlib
+
+    explain_module = importlib.import_module("tread_fx.inspection.explain")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no formula for this op")
+
+    monkeypatch.setattr(explain_module, "profile_graph", broken)
+    with pytest.warns(UserWarning, match="FLOP counting failed.*no formula"):
+        exp = tread_fx.explain(tiny_dit(depth=4), [(1, 3)], 0.5, dit_inputs(batch=2))
+    assert exp.flops is None and exp.routes[0].kept_tokens == 8
+    assert "Routes" in str(exp) and exp.to_json()

@@ -325,6 +325,25 @@ def _inputs(traced: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     return [flat[i] for i in traced.tensor_positions]
 
 
+def _try_profiles(original, routed, tensors, noise, paths) -> tuple | None:
+    """FLOP profiles of both graphs; a failure is reported and the rest of the report kept."""
+    costs: dict = {}
+    try:
+        return (
+            profile_graph(original, tensors, paths, costs),
+            profile_graph(routed, tensors + noise, paths, costs),
+        )
+    except Exception as err:  # noqa: BLE001 - inspection never fails the whole report
+        where = getattr(err, "__notes__", None) or [""]
+        warnings.warn(
+            f"explain: FLOP counting failed ({type(err).__name__}: {str(err).splitlines()[0]}"
+            f"{' ' + where[0] if where[0] else ''}); the report shows no FLOPs. Pass "
+            "flops=False to skip counting.",
+            stacklevel=3,
+        )
+        return None
+
+
 def _assemble(model, call, found, guards, names, config, flops) -> Explanation:
     built, original, refusal = found
     tensors = _inputs(original, *call)
@@ -332,11 +351,8 @@ def _assemble(model, call, found, guards, names, config, flops) -> Explanation:
     paths = [b.path for b in built.info.blocks]
     profiles = None
     if flops:
-        costs: dict = {}
-        profiles = (
-            profile_graph(original.gm, tensors, paths, costs),
-            profile_graph(built.gm, tensors + noise, paths, costs),
-        )
+        profiles = _try_profiles(original.gm, built.gm, tensors, noise, paths)
+    if profiles is not None:
         shapes = (profiles[0].shapes, profiles[1].shapes)
     else:
         shapes = (
