@@ -94,3 +94,24 @@ def test_html_page_loads_in_headless_chromium(explanation, tmp_path):
         assert f'id="routed-{name}"' in dom and f'data-role="{role}"' in dom
     assert 'class="node gather inserted"' in dom and 'class="node scatter inserted"' in dom
     assert "route 0: blocks 1..2 on 8 of 16 tokens" in dom
+
+
+def test_graphs_fit_their_panels_and_edge_labels_sit_beside_the_edges(explanation, tmp_path):
+    """Laid out by Chromium at 1400 px: no graph is cut off on the right of its panel."""
+    binary = _require(*CHROMIUM_NAMES)
+    measure = (
+        "<script>window.addEventListener('load', () => {"
+        "const out = [...document.querySelectorAll('.panel')].map(p => {"
+        "const s = p.querySelector('svg').getBoundingClientRect();"
+        "const b = p.getBoundingClientRect();"
+        "return s.right <= b.right + 1 && s.left >= b.left - 1; });"
+        "document.body.setAttribute('data-fit', out.join(','));});</script>"
+    )
+    page = tmp_path / "fit.html"
+    page.write_text(to_html(explanation).replace("</body>", measure + "</body>"), "utf-8")
+    result = _chromium(
+        binary, tmp_path, "--window-size=1400,1000", "--dump-dom", page.resolve().as_uri()
+    )
+    dom = result.stdout.decode(errors="replace")
+    assert 'data-fit="true,true"' in dom, dom[:300]
+    assert 'viewBox="0 0 ' in dom  # scaled down to the panel width, never up

@@ -247,7 +247,7 @@ def _svg_side(view: GraphView) -> str:
     height = max((y for _, y in pos.values()), default=0) + NODE_H + 2 * pad + 40
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-        f'class="graph" id="svg-{view.name}">'
+        f'viewBox="0 0 {width} {height}" class="graph" id="svg-{view.name}">'
     ]
     for grp in view.groups:
         boxes = [pos[n] for n in grp.members if n in pos]
@@ -272,7 +272,7 @@ def _svg_side(view: GraphView) -> str:
         shape = fmt_shape(attrs["shape"]) if attrs["shape"] is not None else ""
         out.append(
             f'<g class="edge"><path d="M{x1},{y1} C{x1},{mid} {x2},{mid} {x2},{y2 - 4}" '
-            f'marker-end="url(#arrow)"/><text x="{(x1 + x2) / 2 + 4}" y="{mid}">'
+            f'marker-end="url(#arrow)"/><text x="{x1 + 6}" y="{y1 + 12}">'
             f"{html.escape(shape)}</text></g>"
         )
     for name in sorted(g, key=lambda n: g.nodes[n]["index"]):
@@ -305,7 +305,8 @@ table{border-collapse:collapse;font-size:12px;margin-bottom:6px}
 td,th{border:1px solid #ddd;padding:3px 8px;text-align:left} th{background:#f3f3f3}
 .num{text-align:right;font-variant-numeric:tabular-nums} .speedup{font-size:18px;color:#1b5e20}
 .panels{display:flex;gap:16px;align-items:flex-start}
-.panel{flex:1;border:1px solid #ccc;border-radius:6px;overflow:auto;max-height:90vh}
+.panel{flex:1;min-width:0;border:1px solid #ccc;border-radius:6px;overflow:auto;max-height:90vh}
+.panel svg{display:block;max-width:100%;height:auto}
 .panel h2{margin:6px 10px}
 svg text{font-size:11px} .l1{font-weight:bold} .l2{fill:#555;font-size:10px}
 .node rect{stroke:#888;stroke-width:1} .node.inserted rect{stroke:#d84315;stroke-width:3}
