@@ -390,6 +390,13 @@ def plan_route(
             f"route ({route.start}, {route.end}) at rate {route.rate} keeps {keep} of {units} "
             f"selectable units ({strategy.name}); lower the rate so at least one is kept."
         )
+    if route.rate > 0 and keep >= units:
+        raise InvalidRateError(
+            f"route ({route.start}, {route.end}) at rate {route.rate} keeps all {units} "
+            f"selectable units ({strategy.name}; floor({units} * {route.rate}) = 0 routed "
+            "around): the routed blocks would see no fewer tokens and the route would save "
+            f"nothing. Raise the rate to at least {1 / units:.3g}, or drop the route."
+        )
     heights = _height_arguments(info, route, layout, strategy)
     per_unit = (layout.num_tokens - layout.prefix) // units
     end_block = info.blocks[route.end] if route.end < info.depth else None

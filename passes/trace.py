@@ -44,7 +44,10 @@ from tread_fx.passes.trace_mutation import (
     defining_modules,
     drop_unused_sizes,
     functional_setitem,
+    is_inplace_method,
     library_function_of,
+    module_flags,
+    side_effects,
     thread_inplace,
 )
 from tread_fx.passes.trace_support import (
@@ -322,6 +325,8 @@ class ValueTracer(fx.Tracer):
             value = self._run(kind, target, args, kwargs)
         proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, **extra)
         node = proxy.node
+        if is_inplace_method(node):
+            node.meta["tread_where"] = user_frame()
         if kind == "call_module" and id(self.root.get_submodule(target)) in self.checkpointed:
             node.meta["tread_checkpoint"] = True
         self.values[node] = value
@@ -428,6 +433,7 @@ def trace_call(model: nn.Module, args: tuple, kwargs: dict, leaf_paths: set[str]
     auto_leaves: dict[str, str] = {}
     auto_functions: list = []
     model_files = {os.path.abspath(inspect.getfile(m)) for m in python_modules(model)}
+    flags, retraced = module_flags(model), False
     while True:
         tensors = [leaf for leaf in flat if isinstance(leaf, torch.Tensor)]
         wrapper_cls = type("FlatCall", (FlatCall,), {"forward": _flat_forward(len(tensors))})
@@ -441,7 +447,12 @@ def trace_call(model: nn.Module, args: tuple, kwargs: dict, leaf_paths: set[str]
         tracer._autowrap_search.extend(m for f in auto_functions for m in defining_modules(f))
         try:
             graph = _trace_restoring_state(tracer, wrapper, model, tensors)
-            break
+            effects = side_effects(flags, model, graph)
+            if not effects:
+                break
+            if retraced:  # the forward changes the module on every call: never replay that
+                raise _side_effect_error(model, effects)
+            retraced, flags = True, module_flags(model)  # once, for real: trace after them
         except _EagerFailure as failure:
             raise failure.original from None
         except DataDependentError as err:
@@ -485,6 +496,17 @@ def _trace_restoring_state(
         with torch.no_grad():
             for live, saved in buffers:
                 live.copy_(saved)
+
+
+def _side_effect_error(model: nn.Module, effects: list[str]) -> UntraceableModelError:
+    return UntraceableModelError(
+        f"{type(model).__name__}.forward changes the module on every call ("
+        + "; ".join(effects[:4])
+        + "). A routed graph would replay that on every training step; tread_fx lets such a "
+        "change happen once, while tracing, and traces again, but here the second trace "
+        "changed it again. Make the change once before routing (e.g. call the model once), "
+        "or move it out of forward."
+    )
 
 
 def _traceback_location(err: BaseException) -> str:

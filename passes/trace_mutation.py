@@ -153,3 +153,35 @@ def drop_unused_sizes(graph: fx.Graph) -> int:
     for node in reversed(unused):
         graph.erase_node(node)
     return len(unused)
+
+
+def module_flags(model: torch.nn.Module) -> dict[tuple[str, str], Any]:
+    """Every submodule's plain Python attributes (flags such as ``self.initialized``)."""
+    plain = (bool, int, float, str, type(None))
+    return {
+        (path, key): value
+        for path, module in model.named_modules()
+        for key, value in vars(module).items()
+        if isinstance(value, plain) and not key.startswith("__")
+    }
+
+
+def state_mutations(graph: fx.Graph) -> list[fx.Node]:
+    """In-place ops on module state (a parameter or buffer read with ``get_attr``): replayed
+    on every routed call, they would rescale a weight each step (and fail under autograd)."""
+    return [
+        n
+        for n in graph.nodes
+        if is_inplace_method(n) and isinstance(n.args[0], fx.Node) and n.args[0].op == "get_attr"
+    ]
+
+
+def side_effects(before: dict, model: torch.nn.Module, graph: fx.Graph) -> list[str]:
+    """What a trace did to the module: changed flags and in-place writes to its state."""
+    after = module_flags(model)
+    changed = [f"{p}.{k}" if p else k for (p, k) in before if after.get((p, k)) != before[(p, k)]]
+    writes = [
+        f"{n.args[0].target.removeprefix('model.')}.{n.target}() at {n.meta.get('tread_where')}"
+        for n in state_mutations(graph)
+    ]
+    return [f"attribute {c} changed" for c in changed] + [f"in-place {w}" for w in writes]

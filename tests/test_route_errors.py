@@ -217,3 +217,9 @@ def test_token_aligned_side_input_without_a_rule_is_refused_in_strict_mode():
     lenient = _route([(0, 2)], model=Model(), strict=False, reroute=True).train()
     with pytest.warns(UserWarning, match="looks token-aligned"):
         assert lenient(x, bias).shape == (2, 8, 4)
+
+
+def test_a_route_that_would_save_nothing_is_an_error():
+    model = _route([(1, 3)], rate=0.05).train()  # floor(16 * 0.05) = 0 tokens routed around
+    with pytest.raises(errors.InvalidRateError, match="save nothing"):
+        model(*dit_inputs())

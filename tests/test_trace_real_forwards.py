@@ -259,3 +259,51 @@ def test_a_changed_data_dependent_value_is_a_clear_error_when_compiled():
     model.train()(*_masked(True)[0])  # fullgraph=True: the guards add no graph break
     with pytest.raises(tread_fx.RoutedGraphError, match="test_trace_real_forwards.py"):
         model.train()(*_masked(False)[0])
+
+
+class OneTimeRescale(Backbone):
+    """Rescales a weight in place under no_grad on its first training call, then flips a flag
+    (a one-time side effect, as some transformers models do when the training flag flips)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rescaled = False
+
+    def tokens(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.rescaled:
+            with torch.no_grad():
+                self.embed.weight.mul_(0.5)
+            self.rescaled = True
+        return super().tokens(x)
+
+
+class EveryCallRescale(Backbone):
+    def tokens(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.embed.weight.mul_(0.999)  # changes the module on every call
+        return super().tokens(x)
+
+
+def test_a_one_time_side_effect_happens_once_and_is_never_replayed():
+    import copy
+
+    model = OneTimeRescale()
+    eager = copy.deepcopy(model)
+    with torch.no_grad():
+        eager.train()(*_inputs()[0])  # rescales once
+    tread_fx.route(model, routes=[(1, 3)], rate=0.0, seed=0)
+    for _ in range(2):
+        out = model.train()(*_inputs()[0])  # traced twice (after the flip), then replayed
+        out.square().mean().backward()  # no in-place write on a leaf in the graph
+    assert torch.equal(model.embed.weight, eager.embed.weight)  # rescaled exactly once
+    gm = tread_fx.routed_graphs(model)[0].gm
+    assert not any(n.op == "call_method" and n.target == "mul_" for n in gm.graph.nodes)
+
+
+def test_a_side_effect_on_every_call_is_refused_with_file_and_line():
+    model = tread_fx.route(EveryCallRescale(), routes=[(1, 3)], seed=0)
+    with pytest.raises(
+        tread_fx.UntraceableModelError,
+        match=r"embed\.weight\.mul_\(\) at .*test_trace_real_forwards\.py:\d+",
+    ):
+        model.train()(*_inputs()[0])
