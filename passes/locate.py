@@ -131,13 +131,24 @@ def resolve_block_lists(
     return paths
 
 
+def _is_nested_member(module: nn.Module) -> bool:
+    """A member that is itself a list of sub-blocks called in turn (``for attn, ff in
+    self.layers``): a ModuleList is never called as a whole."""
+    return isinstance(module, nn.ModuleList) and len(module) > 0
+
+
 def block_leaf_paths(model: nn.Module, list_paths: Iterable[str]) -> set[str]:
-    """Return the paths of every member of the given containers (traced as leaves)."""
-    return {
-        f"{p}.{name}" if p else name
-        for p in list_paths
-        for name, _ in model.get_submodule(p).named_children()
-    }
+    """Return the paths of every member of the given containers (traced as leaves); for a
+    member that is a list of sub-blocks, the paths of its sub-blocks."""
+    paths = set()
+    for p in list_paths:
+        for name, member in model.get_submodule(p).named_children():
+            path = f"{p}.{name}" if p else name
+            if _is_nested_member(member):
+                paths |= {f"{path}.{sub}" for sub, _ in member.named_children()}
+            else:
+                paths.add(path)
+    return paths
 
 
 def input_slots(node: fx.Node) -> dict[SlotKey, fx.Node]:
@@ -178,20 +189,28 @@ def _ancestors(node: fx.Node, stop: set[fx.Node]) -> set[fx.Node]:
 
 
 def _block_calls(traced: TracedCall, list_paths: list[str]) -> dict[str, list[fx.Node]]:
+    """Calls of each container's members, in order; for a member that is a list of
+    sub-blocks, its first sub-block call (the block boundary is the first call into it)."""
     calls: dict[str, list[fx.Node]] = {p: [] for p in list_paths}
+    entered: set[str] = set()
     for node in traced.gm.graph.nodes:
         if node.op != "call_module":
             continue
         target = node.target[len(MODEL_PREFIX) :]
         parent = target.rpartition(".")[0]
+        grand = parent.rpartition(".")[0]
         if parent in calls:
             calls[parent].append(node)
+        elif grand in calls and parent not in entered and parent not in calls:
+            entered.add(parent)
+            calls[grand].append(node)
     return calls
 
 
 def _valid_sequence(model: nn.Module, path: str, nodes: list[fx.Node]) -> bool:
     names = [n for n, _ in model.get_submodule(path).named_children()]
-    called = [n.target.rpartition(".")[2] for n in nodes]
+    start = len(MODEL_PREFIX) + (len(path) + 1 if path else 0)
+    called = [n.target[start:].split(".")[0] for n in nodes]  # member i (of a nested one too)
     return called == names
 
 
@@ -380,12 +399,23 @@ def _stream_after_last(blocks: list[BlockCall]) -> fx.Node:
         return last.stream_out
     path = _forward_path(blocks[-2].stream_out, last.stream_in)
     node = last.stream_out
+    # sub-blocks of a nested member (``layers.{i}.1``) replay as the last member's own
+    same = lambda t: (
+        t.replace(_member_of(blocks[-2]), _member_of(last), 1) if isinstance(t, str) else t
+    )
     for step in path:
-        matches = [u for u in node.users if (u.op, u.target) == (step.op, step.target)]
+        matches = [u for u in node.users if (u.op, u.target) == (step.op, same(step.target))]
         if len(matches) != 1:
             return last.stream_out
         node = matches[0]
     return node
+
+
+def _member_of(block: BlockCall) -> str:
+    """``model.<list>.<i>.``: the prefix of every module path inside the block's member."""
+    index = block.path[len(block.list_path) :].lstrip(".").split(".")[0]
+    prefix = f"{block.list_path}.{index}." if block.list_path else f"{index}."
+    return MODEL_PREFIX + prefix
 
 
 def _forward_path(source: fx.Node, target: fx.Node) -> list[fx.Node]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from conftest import dit_inputs, tiny_dit
 from hypothesis import given, settings
@@ -34,9 +35,13 @@ def test_any_valid_route_keeps_n_minus_floor_n_rate_and_preserves_eval(case):
     reference_train = model.train()(*inputs)
     route = (start - depth, end - depth if end < depth else end) if negative else (start, end)
     tread_fx.route(model, routes=[route], rate=rate, seed=0)
+    tokens = (size // 2) ** 2
+    if rate > 0 and math.floor(tokens * rate) == 0:  # would keep every token: saves nothing
+        with pytest.raises(tread_fx.InvalidRateError, match="save nothing"):
+            model.train()(*inputs)
+        return
     out = model.train()(*inputs)
     (info,) = tread_fx.route_info(model)
-    tokens = (size // 2) ** 2
     assert (info.route.start, info.route.end) == (start, end)
     assert info.kept.shape == (batch, tokens - math.floor(tokens * rate))
     assert bool((info.kept.diff(dim=1) > 0).all()) and int(info.kept.max()) < tokens
