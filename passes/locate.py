@@ -90,13 +90,20 @@ class StreamInfo:
 
 
 def candidate_stacks(model: nn.Module) -> dict[str, nn.Module]:
-    """Return containers (ModuleList/Sequential) of >= 2 modules that all share one class."""
-    found = {}
+    """Return containers (ModuleList/Sequential) of >= 2 modules that all share one class.
+
+    Without any, ModuleLists of >= 2 modules of different classes (hybrid stacks that
+    interleave attention and scan layers, Jamba-style): data flow then decides whether their
+    members hand the token stream on, and same-class stays the preference.
+    """
+    found, mixed = {}, {}
     for path, module in model.named_modules():
         is_container = isinstance(module, (nn.ModuleList, nn.Sequential))
         if is_container and len(module) >= 2 and len({type(c) for c in module}) == 1:
             found[path] = module
-    return found
+        elif isinstance(module, nn.ModuleList) and len(module) >= 2:
+            mixed[path] = module
+    return found or mixed
 
 
 def resolve_block_lists(
