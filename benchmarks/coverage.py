@@ -6,6 +6,7 @@ subprocesses (a crash or a hang costs one row, not the sweep), ``-j`` at a time.
 
     python -m benchmarks.coverage diffusers --suite DIR [--commit SHA]   # diffusers' suite
     python -m benchmarks.coverage timm [--per-arch]                      # timm architectures
+    python -m benchmarks.coverage transformers                           # SSM / hybrid LMs
     python -m benchmarks.coverage report                                 # rewrite the .md
 
 ``DIR`` is a folder holding diffusers' ``tests/`` (docs/support.md shows how to make it).
@@ -89,6 +90,10 @@ def _worker(argv: Sequence[str]) -> None:
         from benchmarks.coverage_sources import diffusers_cases
 
         _judge_all(diffusers_cases(Path(rest[0]), rest[1]))
+    elif family == "transformers":
+        from benchmarks.coverage_sources import transformers_cases
+
+        _judge_all(transformers_cases())
     elif family == "timm":
         _judge_all(_timm_cases(rest[0].split(",")))
     else:
@@ -184,6 +189,18 @@ def _sweep_timm(args: argparse.Namespace) -> tuple[list, dict]:
     return rows, meta
 
 
+def _sweep_transformers(args: argparse.Namespace) -> tuple[list, dict]:
+    from benchmarks.coverage_sources import TRANSFORMERS_TINY
+
+    rows = run_population([(["transformers"], "transformers")], 1, timeout=CASE_TIMEOUT_S * 10)
+    meta = {
+        "source": "transformers' state-space and hybrid models (Mamba, Mamba2, FalconMamba, "
+        f"RWKV, Bamba, GraniteMoeHybrid, LFM2, Nemotron-H, Qwen3-Next, Jamba), tiny configs "
+        f"{TRANSFORMERS_TINY} plus per-family scan sizes, inputs_embeds [2, 16, 32]"
+    }
+    return rows, meta
+
+
 def _load(path: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
@@ -262,6 +279,10 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("-j", "--jobs", type=int, default=2, help="worker processes at once")
         s.add_argument("--out", type=Path, default=RESULTS, help="output path without suffix")
         s.add_argument("--no-write", action="store_true", help="print only")
+    f = sub.add_parser("transformers", help="transformers' state-space and hybrid models")
+    for s in (f,):
+        s.add_argument("--out", type=Path, default=RESULTS, help="output path without suffix")
+        s.add_argument("--no-write", action="store_true", help="print only")
     r = sub.add_parser("report", help="regenerate the markdown from the JSON")
     r.add_argument("--out", type=Path, default=RESULTS)
     return p
@@ -280,7 +301,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
         write_markdown(data, md_path)
         return data
     started = time.time()
-    sweep = _sweep_diffusers if args.population == "diffusers" else _sweep_timm
+    sweeps = {
+        "diffusers": _sweep_diffusers,
+        "timm": _sweep_timm,
+        "transformers": _sweep_transformers,
+    }
+    sweep = sweeps[args.population]
     rows, meta = sweep(args)
     name = args.population + (" (per architecture)" if getattr(args, "per_arch", False) else "")
     section = {

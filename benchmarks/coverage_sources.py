@@ -39,6 +39,8 @@ __all__ = [
     "timm_names",
     "timm_case",
     "timm_tiny",
+    "transformers_cases",
+    "TRANSFORMERS_FAMILIES",
 ]
 
 MIN_LAYERS = 4
@@ -217,3 +219,54 @@ def timm_case(name: str) -> Case:
     probe = timm_tiny(name)
     arch = f"{type(probe).__name__} / {_stack_class(probe)}"
     return Case(name, "timm", lambda: timm_tiny(name), inputs, note=arch)
+
+
+# -- transformers: the state-space and hybrid family ----------------------------------------
+
+TRANSFORMERS_TINY = dict(
+    vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+    num_attention_heads=2, num_key_value_heads=1, head_dim=16, use_cache=False,
+)  # fmt: skip
+_SCAN = dict(mamba_n_groups=1, mamba_d_state=4, mamba_d_conv=2, mamba_expand=2)
+# per family, what the tiny config needs beyond TRANSFORMERS_TINY (scan sizes, layer patterns)
+TRANSFORMERS_FAMILIES = {
+    "Mamba": dict(state_size=4, expand=2, conv_kernel=2, time_step_rank=4),
+    "Mamba2": dict(state_size=4, expand=2, conv_kernel=2, num_heads=4, n_groups=1, chunk_size=16),
+    "FalconMamba": dict(state_size=4, expand=2, conv_kernel=2, time_step_rank=4),
+    "Rwkv": dict(attention_hidden_size=32, context_length=64),
+    "Bamba": dict(mamba_n_heads=4, mamba_d_head=16, mamba_chunk_size=16, attn_layer_indices=[1],
+                  **_SCAN),
+    "GraniteMoeHybrid": dict(mamba_n_heads=4, mamba_d_head=16, mamba_chunk_size=16,
+                             num_local_experts=2, num_experts_per_tok=1,
+                             layer_types=["mamba", "attention"] * 2, **_SCAN),
+    "Lfm2": dict(layer_types=["conv", "full_attention"] * 2, conv_L_cache=2),
+    "NemotronH": dict(mamba_num_heads=4, mamba_head_dim=16, n_groups=1, ssm_state_size=4,
+                      conv_kernel=2, expand=2, chunk_size=16, hybrid_override_pattern="M*M-",
+                      mlp_hidden_act="relu2"),
+    "Qwen3Next": dict(linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16,
+                      linear_value_head_dim=16, linear_conv_kernel_dim=2, num_experts=2,
+                      num_experts_per_tok=1, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=32,
+                      layer_types=["linear_attention", "full_attention"] * 2),
+    "Jamba": dict(num_experts=2, num_experts_per_tok=1, expert_layer_period=2,
+                  expert_layer_offset=1, attn_layer_period=2, attn_layer_offset=0,
+                  mamba_d_state=4, mamba_d_conv=2, mamba_expand=2, mamba_dt_rank=4),
+}  # fmt: skip
+
+
+def transformers_cases() -> Iterator[Case | tuple[str, str]]:
+    """The state-space and hybrid models of transformers at tiny configs (16 embedded tokens)."""
+    import transformers
+
+    def inputs() -> tuple[tuple, dict]:
+        embeds = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(1))
+        return (), {"inputs_embeds": embeds, "use_cache": False}
+
+    for family, extra in TRANSFORMERS_FAMILIES.items():
+        try:
+            config = getattr(transformers, f"{family}Config")(**{**TRANSFORMERS_TINY, **extra})
+            model_class = getattr(transformers, f"{family}Model")
+        except Exception as err:  # noqa: BLE001 - not in this transformers version
+            yield f"{family}Model", f"config: {type(err).__name__}: {str(err)[:200]}"
+            continue
+        yield Case(f"{family}Model", "transformers", lambda c=config, m=model_class: m(c), inputs)
