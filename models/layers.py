@@ -136,15 +136,23 @@ class TimestepEmbedder(nn.Module):
     Args:
         hidden_size: Output width ``D``.
         frequency_embedding_size: Width of the sinusoidal features fed to the MLP.
+        match_weight_dtype: Cast the (float32) features to the MLP's dtype, so that a model cast
+            to bf16 runs without autocast. Off in the reference DiT (its traced graph has no cast).
 
     Example:
         >>> TimestepEmbedder(32)(torch.tensor([1.0, 999.0])).shape
         torch.Size([2, 32])
     """
 
-    def __init__(self, hidden_size: int, frequency_embedding_size: int = 256) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        frequency_embedding_size: int = 256,
+        match_weight_dtype: bool = False,
+    ) -> None:
         super().__init__()
         self.frequency_embedding_size = frequency_embedding_size
+        self.match_weight_dtype = match_weight_dtype
         self.mlp = nn.Sequential(
             nn.Linear(frequency_embedding_size, hidden_size),
             nn.SiLU(),
@@ -176,9 +184,11 @@ class TimestepEmbedder(nn.Module):
             nn.init.zeros_(linear.bias)
 
     def forward(self, t: torch.Tensor) -> torch.Tensor:
-        """Maps timesteps ``[B]`` to embeddings ``[B, D]`` (in the MLP's dtype)."""
+        """Maps timesteps ``[B]`` to embeddings ``[B, D]``."""
         features = self.timestep_embedding(t, self.frequency_embedding_size)
-        return self.mlp(features.to(self.mlp[0].weight.dtype))
+        if self.match_weight_dtype:
+            features = features.to(self.mlp[0].weight.dtype)
+        return self.mlp(features)
 
 
 class LabelEmbedder(nn.Module):

@@ -413,7 +413,7 @@ class DiffusionMamba(nn.Module):
         init_patch_embed(self.x_embedder.proj)
         self.register_buffer("pos_embed", get_2d_sincos_pos_embed(hidden_size, self.grid_size))
         # layers are initialised as built; the null class exists even without label dropout
-        self.t_embedder = TimestepEmbedder(hidden_size)
+        self.t_embedder = TimestepEmbedder(hidden_size, match_weight_dtype=True)
         self.t_embedder.initialize_weights()
         self.y_embedder = LabelEmbedder(num_classes, hidden_size, class_dropout_prob, True)
         self.y_embedder.initialize_weights()

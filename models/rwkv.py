@@ -430,7 +430,7 @@ class DiffusionRWKV(nn.Module):
         self.grid_size: tuple[int, int] = tuple(self.x_embedder.grid_size)
         # Learned, starting from DiT's fixed sin-cos table (DiT keeps it fixed, as a buffer).
         self.pos_embed = nn.Parameter(get_2d_sincos_pos_embed(hidden_size, self.grid_size))
-        self.t_embedder = TimestepEmbedder(hidden_size)
+        self.t_embedder = TimestepEmbedder(hidden_size, match_weight_dtype=True)
         self.y_embedder = LabelEmbedder(num_classes, hidden_size, class_dropout_prob, True)
         n = depth // 2 if skip else 0
         self.skip_pairs: dict[int, int] = {depth - 1 - j: j for j in range(n)}
