@@ -6,7 +6,9 @@ transformer blocks conditioned on ``timestep + class`` and maps the tokens back 
 holding the predicted noise (and, with ``learn_sigma``, the variance interpolation).
 
 Every block is ``forward(x, c)`` with ``x`` of shape ``[B, N, D]`` for any token count ``N`` and
-``c`` of shape ``[B, D]``, so token routing may hand a block any subset of the tokens.
+``c`` of shape ``[B, D]``, so token routing may hand a block any subset of the tokens. The
+embedders, the final layer, the position table and ``unpatchify`` are the reference code's, kept
+in :mod:`tread_fx.models.layers` because the Mamba and RWKV backbones use them too.
 
 Example:
     >>> import torch
@@ -19,132 +21,31 @@ Example:
 
 from __future__ import annotations
 
-import math
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 from timm.layers import Attention, Mlp, PatchEmbed
 from torch import nn
+
+from tread_fx.models.layers import (
+    FinalLayer,
+    LabelEmbedder,
+    TimestepEmbedder,
+    get_2d_sincos_pos_embed,
+    guided_forward,
+    initialize_dit_weights,
+    modulate,
+    unpatchify,
+)
 
 try:  # optional fast kernel; chosen per call, only for CUDA fp16/bf16 inputs
     from flash_attn import flash_attn_func
 except ImportError:
     flash_attn_func = None
 
-__all__ = ["DiT", "DiTAttention", "DiTBlock", "FinalLayer", "LabelEmbedder", "TimestepEmbedder"]
-__all__ += ["DiT_models", "get_2d_sincos_pos_embed", "modulate"]
+__all__ = ["DiT", "DiTAttention", "DiTBlock", "DiT_models"]
 __all__ += ["DiT_XL_2", "DiT_XL_4", "DiT_XL_8", "DiT_L_2", "DiT_L_4", "DiT_L_8"]
 __all__ += ["DiT_B_2", "DiT_B_4", "DiT_B_8", "DiT_S_2", "DiT_S_4", "DiT_S_8"]
-
-
-def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Per-sample affine modulation ``x * (1 + scale) + shift`` of tokens ``[B, N, D]``."""
-    return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
-
-
-def get_2d_sincos_pos_embed(dim: int, grid_size: tuple[int, int]) -> torch.Tensor:
-    """Fixed 2-D sin-cos position embedding, as in MAE and the reference DiT.
-
-    The first half of the channels encodes the column index, the second half the row index;
-    each half is ``[sin, cos]`` of the coordinate times geometric frequencies.
-
-    Args:
-        dim: Embedding width; must be divisible by 4.
-        grid_size: Patch grid ``(H, W)``; tokens are laid out row-major.
-
-    Returns:
-        Float32 tensor of shape ``[1, H * W, dim]``.
-    """
-    quarter = dim // 4
-    omega = 1.0 / 10000 ** (torch.arange(quarter, dtype=torch.float64) / quarter)
-    rows = torch.arange(grid_size[0], dtype=torch.float64)
-    cols = torch.arange(grid_size[1], dtype=torch.float64)
-    row, col = torch.meshgrid(rows, cols, indexing="ij")
-
-    def embed_1d(pos: torch.Tensor) -> torch.Tensor:
-        angles = pos.reshape(-1, 1) * omega.reshape(1, -1)
-        return torch.cat([angles.sin(), angles.cos()], dim=1)
-
-    return torch.cat([embed_1d(col), embed_1d(row)], dim=1).float().unsqueeze(0)
-
-
-class TimestepEmbedder(nn.Module):
-    """Embeds scalar diffusion timesteps: sinusoidal frequencies followed by a 2-layer MLP.
-
-    Args:
-        hidden_size: Output width ``D``.
-        frequency_embedding_size: Width of the sinusoidal features fed to the MLP.
-    """
-
-    def __init__(self, hidden_size: int, frequency_embedding_size: int = 256) -> None:
-        super().__init__()
-        self.frequency_embedding_size = frequency_embedding_size
-        self.mlp = nn.Sequential(
-            nn.Linear(frequency_embedding_size, hidden_size),
-            nn.SiLU(),
-            nn.Linear(hidden_size, hidden_size),
-        )
-
-    @staticmethod
-    def timestep_embedding(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
-        """Returns ``[cos, sin]`` features of shape ``[B, dim]`` for (possibly fractional) ``t``."""
-        half = dim // 2
-        freqs = torch.exp(
-            -math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / half
-        )
-        args = t.reshape(-1, 1).float() * freqs.reshape(1, -1)
-        embedding = torch.cat([args.cos(), args.sin()], dim=-1)
-        if dim % 2:
-            embedding = F.pad(embedding, (0, 1))
-        return embedding
-
-    def forward(self, t: torch.Tensor) -> torch.Tensor:
-        """Maps timesteps ``[B]`` to embeddings ``[B, D]``."""
-        return self.mlp(self.timestep_embedding(t, self.frequency_embedding_size))
-
-
-class LabelEmbedder(nn.Module):
-    """Embeds class labels; owns the extra "null" class used for classifier-free guidance.
-
-    In training mode each label is replaced by the null class (index ``num_classes``) with
-    probability ``dropout_prob``. Eval mode never drops unless ``force_drop_ids`` asks for it.
-
-    Args:
-        num_classes: Number of real classes.
-        hidden_size: Embedding width ``D``.
-        dropout_prob: Label dropout probability; ``0`` creates no null class.
-    """
-
-    def __init__(self, num_classes: int, hidden_size: int, dropout_prob: float) -> None:
-        super().__init__()
-        self.num_classes = num_classes
-        self.dropout_prob = dropout_prob
-        self.embedding_table = nn.Embedding(num_classes + int(dropout_prob > 0), hidden_size)
-
-    def drop_labels(
-        self, labels: torch.Tensor, force_drop_ids: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """Returns ``labels`` with dropped entries set to the null class.
-
-        Args:
-            labels: Integer labels ``[B]``.
-            force_drop_ids: Optional ``[B]`` mask; nonzero entries are dropped, the rest kept.
-                When given it replaces random dropout (in both modes).
-        """
-        if force_drop_ids is not None:
-            drop = force_drop_ids != 0
-        elif self.training and self.dropout_prob > 0:
-            drop = torch.rand(labels.shape[0], device=labels.device) < self.dropout_prob
-        else:
-            return labels
-        return torch.where(drop, self.num_classes, labels)
-
-    def forward(
-        self, labels: torch.Tensor, force_drop_ids: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """Maps labels ``[B]`` to embeddings ``[B, D]``, applying label dropout."""
-        return self.embedding_table(self.drop_labels(labels, force_drop_ids))
 
 
 class DiTAttention(Attention):
@@ -213,21 +114,6 @@ class DiTBlock(nn.Module):
         x = x + gate_msa.unsqueeze(1) * self.attn(modulate(self.norm1(x), shift_msa, scale_msa))
         x = x + gate_mlp.unsqueeze(1) * self.mlp(modulate(self.norm2(x), shift_mlp, scale_mlp))
         return x
-
-
-class FinalLayer(nn.Module):
-    """adaLN-modulated LayerNorm and a linear map from tokens to ``patch**2 * out_channels``."""
-
-    def __init__(self, hidden_size: int, patch_size: int, out_channels: int) -> None:
-        super().__init__()
-        self.norm_final = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
-        self.linear = nn.Linear(hidden_size, patch_size * patch_size * out_channels)
-        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 2 * hidden_size))
-
-    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-        """Maps tokens ``[B, N, D]`` to per-patch outputs ``[B, N, patch**2 * out_channels]``."""
-        shift, scale = self.adaLN_modulation(c).chunk(2, dim=1)
-        return self.linear(modulate(self.norm_final(x), shift, scale))
 
 
 class DiT(nn.Module):
@@ -299,30 +185,16 @@ class DiT(nn.Module):
         self.initialize_weights()
 
     def initialize_weights(self) -> None:
-        """Xavier linears, normal embedders, and zeroed adaLN modulation and output layer."""
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                nn.init.xavier_uniform_(module.weight)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-        proj = self.x_embedder.proj  # a conv applied per patch: initialise it like a linear
-        nn.init.xavier_uniform_(proj.weight.data.view(proj.weight.shape[0], -1))
-        nn.init.zeros_(proj.bias)
-        nn.init.normal_(self.y_embedder.embedding_table.weight, std=0.02)
-        nn.init.normal_(self.t_embedder.mlp[0].weight, std=0.02)
-        nn.init.normal_(self.t_embedder.mlp[2].weight, std=0.02)
-        zeroed = [block.adaLN_modulation[-1] for block in self.blocks]
-        zeroed += [self.final_layer.adaLN_modulation[-1], self.final_layer.linear]
-        for linear in zeroed:  # adaLN-Zero: blocks start as identities, the output as zeros
-            nn.init.zeros_(linear.weight)
-            nn.init.zeros_(linear.bias)
+        """Xavier linears, normal embedders, zeroed adaLN modulation and output layer.
+
+        The reference scheme, shared with Diffusion-RWKV: see
+        :func:`~tread_fx.models.layers.initialize_dit_weights`.
+        """
+        initialize_dit_weights(self)
 
     def unpatchify(self, x: torch.Tensor) -> torch.Tensor:
         """Maps per-patch outputs ``[B, H*W, p*p*C]`` back to images ``[B, C, H*p, W*p]``."""
-        (h, w), p, c = self.grid_size, self.patch_size, self.out_channels
-        x = x.reshape(x.shape[0], h, w, p, p, c)
-        x = x.permute(0, 5, 1, 3, 2, 4)  # [B, C, h, p, w, p]
-        return x.reshape(x.shape[0], c, h * p, w * p)
+        return unpatchify(x, self.grid_size, self.patch_size, self.out_channels)
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Predicts noise (and variance) for latents ``x`` at timesteps ``t`` with labels ``y``.
@@ -349,32 +221,17 @@ class DiT(nn.Module):
         cfg_scale: float,
         guidance_channels: int | None = None,
     ) -> torch.Tensor:
-        """Classifier-free guided prediction, batching conditional and unconditional passes.
+        """Classifier-free guided prediction; the caller doubles the batch (the DiT sampler's way).
 
-        Shape contract (as in the paper's sampler): the batch of ``2B`` holds the conditional
-        half first and the unconditional half second. Only ``x[:B]`` is used (it is duplicated);
-        ``y[:B]`` are the class labels and ``y[B:]`` should be the null class ``num_classes``.
-        The guided ``eps = uncond + cfg_scale * (cond - uncond)`` is returned in both halves.
-
-        Args:
-            x: Latents ``[2B, C, H, W]``.
-            t: Timesteps ``[2B]``.
-            y: Labels ``[2B]``, conditional then null.
-            cfg_scale: Guidance scale; 1 gives the conditional prediction.
-            guidance_channels: Leading output channels to guide. Default: all noise channels
-                (``in_channels``); the variance channels are never guided and are returned per
-                half. Pass 3 to reproduce the reference DiT code, which guides 3 channels.
-
-        Returns:
-            ``[2B, out_channels, H, W]``.
+        Contract (:func:`~tread_fx.models.layers.guided_forward`, the same for every backbone
+        here): ``x``, ``t``, ``y`` hold ``2B`` rows, the conditional half first and the
+        unconditional half second (``y[B:]`` the null class ``num_classes``); only ``x[:B]`` is
+        used. Returns ``[2B, out_channels, H, W]`` with the guided
+        ``uncond + cfg_scale * (cond - uncond)`` noise channels in both halves and each half's own
+        variance channels. ``cfg_scale=1`` gives the conditional prediction;
+        ``guidance_channels=3`` reproduces the reference DiT code, which guides 3 channels.
         """
-        half = x[: x.shape[0] // 2]
-        out = self(torch.cat([half, half], dim=0), t, y)  # via __call__: hooks and wrappers apply
-        n = self.in_channels if guidance_channels is None else guidance_channels
-        eps, rest = out[:, :n], out[:, n:]
-        cond_eps, uncond_eps = eps.chunk(2, dim=0)
-        guided = uncond_eps + cfg_scale * (cond_eps - uncond_eps)
-        return torch.cat([torch.cat([guided, guided], dim=0), rest], dim=1)
+        return guided_forward(self, x, t, y, cfg_scale, guidance_channels)
 
 
 def DiT_XL_2(**kwargs) -> DiT:

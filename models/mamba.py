@@ -2,7 +2,9 @@
 
 Read top to bottom: the selective scan, one scan direction, the bidirectional mixer, the block
 (two streams ``hidden``/``residual`` between blocks, adaLN conditioning, optional U-ViT long
-skips), the small embedders, the final layer, the model and its factories.
+skips), the model and its factories. The embedders, the final layer, the sin-cos positions and
+``unpatchify`` are DiT's, from :mod:`tread_fx.models.layers`; ``forward_with_cfg`` follows DiT's
+contract (the caller doubles the batch).
 
 Every block has the same call signature ``block(hidden, residual, c, skip=None)`` and works for
 any token count, so TREAD routing can hand a block an ascending subset of the tokens. The scan is
@@ -28,25 +30,24 @@ import torch.nn.functional as F
 from timm.layers import PatchEmbed
 from torch import Tensor, nn
 
+from tread_fx.models.layers import (
+    FinalLayer,
+    LabelEmbedder,
+    TimestepEmbedder,
+    get_2d_sincos_pos_embed,
+    guided_forward,
+    init_patch_embed,
+    modulate,
+    unpatchify,
+)
+
 try:  # the optional CUDA kernel; used only for CUDA tensors
     from mamba_ssm.ops.selective_scan_interface import selective_scan_fn as _cuda_selective_scan
 except (ImportError, OSError):
     _cuda_selective_scan = None
 
-__all__ = [
-    "selective_scan",
-    "selective_scan_torch",
-    "ScanDirection",
-    "BiMambaMixer",
-    "MambaBlock",
-    "TimestepEmbedder",
-    "LabelEmbedder",
-    "FinalLayer",
-    "DiffusionMamba",
-    "Mamba_S_2",
-    "Mamba_B_2",
-    "Mamba_models",
-]
+__all__ = ["selective_scan", "selective_scan_torch", "ScanDirection", "BiMambaMixer"]
+__all__ += ["MambaBlock", "DiffusionMamba", "Mamba_S_2", "Mamba_B_2", "Mamba_models"]
 
 
 @torch.library.custom_op("tread_fx::selective_scan_forward", mutates_args=())
@@ -344,90 +345,9 @@ class MambaBlock(nn.Module):
         if self.skip_linear is not None:
             hidden = self.skip_linear(torch.cat([hidden, skip], dim=-1))
         residual = residual + hidden
-        shift, scale, gate = self.adaLN_modulation(c).unsqueeze(1).chunk(3, dim=-1)
-        hidden = gate * self.mixer(self.norm(residual) * (1 + scale) + shift)
+        shift, scale, gate = self.adaLN_modulation(c).chunk(3, dim=1)
+        hidden = gate.unsqueeze(1) * self.mixer(modulate(self.norm(residual), shift, scale))
         return hidden, residual
-
-
-class TimestepEmbedder(nn.Module):
-    """Sinusoidal features of a scalar timestep per sample, then an MLP.
-
-    Example:
-        >>> TimestepEmbedder(32)(torch.rand(3)).shape
-        torch.Size([3, 32])
-    """
-
-    def __init__(self, hidden_size: int, frequency_size: int = 256, max_period: float = 1e4):
-        super().__init__()
-        self.frequency_size, self.max_period = frequency_size, max_period
-        self.mlp = nn.Sequential(
-            nn.Linear(frequency_size, hidden_size), nn.SiLU(), nn.Linear(hidden_size, hidden_size)
-        )
-        for layer in (self.mlp[0], self.mlp[2]):
-            nn.init.normal_(layer.weight, std=0.02)
-            nn.init.zeros_(layer.bias)
-
-    def forward(self, t: Tensor) -> Tensor:
-        """Embed timesteps ``t`` [batch] (any real values) to [batch, hidden_size]."""
-        half = self.frequency_size // 2
-        k = torch.arange(half, device=t.device, dtype=torch.float32)
-        args = t.float().unsqueeze(-1) * torch.exp(k * (-math.log(self.max_period) / half))
-        features = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
-        return self.mlp(features.to(self.mlp[0].weight.dtype))
-
-
-class LabelEmbedder(nn.Module):
-    """Class labels to vectors, with a null class (index ``num_classes``) and label dropout.
-
-    In training mode each label is replaced by the null class with probability
-    ``dropout_prob`` (for classifier-free guidance).
-
-    Example:
-        >>> LabelEmbedder(10, 32, dropout_prob=0.1)(torch.tensor([1, 2])).shape
-        torch.Size([2, 32])
-    """
-
-    def __init__(self, num_classes: int, hidden_size: int, dropout_prob: float = 0.1) -> None:
-        super().__init__()
-        self.num_classes, self.dropout_prob = num_classes, dropout_prob
-        self.embedding_table = nn.Embedding(num_classes + 1, hidden_size)
-        nn.init.normal_(self.embedding_table.weight, std=0.02)
-
-    def forward(self, y: Tensor) -> Tensor:
-        """Embed integer labels ``y`` [batch] to [batch, hidden_size]."""
-        if self.training and self.dropout_prob > 0:
-            drop = torch.rand_like(y, dtype=torch.float32) < self.dropout_prob
-            y = torch.where(drop, torch.full_like(y, self.num_classes), y)
-        return self.embedding_table(y)
-
-
-class FinalLayer(nn.Module):
-    """adaLN-modulated norm and a zero-initialised linear to ``patch * patch * channels``."""
-
-    def __init__(self, hidden_size: int, patch_size: int, out_channels: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
-        self.linear = nn.Linear(hidden_size, patch_size * patch_size * out_channels)
-        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 2 * hidden_size))
-        for layer in (self.linear, self.adaLN_modulation[-1]):
-            nn.init.zeros_(layer.weight)
-            nn.init.zeros_(layer.bias)
-
-    def forward(self, x: Tensor, c: Tensor) -> Tensor:
-        """Map tokens ``x`` [batch, L, dim] to patch values [batch, L, p * p * channels]."""
-        shift, scale = self.adaLN_modulation(c).unsqueeze(1).chunk(2, dim=-1)
-        return self.linear(self.norm(x) * (1 + scale) + shift)
-
-
-def _sincos_pos_embed(dim: int, grid_h: int, grid_w: int) -> Tensor:
-    """Fixed 2-D sin-cos position embedding [1, grid_h * grid_w, dim] (row-major tokens)."""
-    freqs = 1.0 / 10000 ** (torch.arange(dim // 4, dtype=torch.float64) / (dim // 4))
-    rows, cols = torch.meshgrid(torch.arange(grid_h), torch.arange(grid_w), indexing="ij")
-    parts = []
-    for pos in (rows.flatten(), cols.flatten()):
-        args = pos.to(torch.float64).unsqueeze(-1) * freqs
-        parts += [torch.sin(args), torch.cos(args)]
-    return torch.cat(parts, dim=-1).float().unsqueeze(0)
 
 
 class DiffusionMamba(nn.Module):
@@ -490,14 +410,13 @@ class DiffusionMamba(nn.Module):
         self.patch_size = patch_size
         self.x_embedder = PatchEmbed(input_size, patch_size, in_channels, hidden_size)
         self.grid_size: tuple[int, int] = tuple(self.x_embedder.grid_size)
-        w = self.x_embedder.proj.weight
-        nn.init.xavier_uniform_(w.view(w.shape[0], -1))
-        nn.init.zeros_(self.x_embedder.proj.bias)
-        self.register_buffer(
-            "pos_embed", _sincos_pos_embed(hidden_size, *self.grid_size), persistent=False
-        )
-        self.t_embedder = TimestepEmbedder(hidden_size)
-        self.y_embedder = LabelEmbedder(num_classes, hidden_size, class_dropout_prob)
+        init_patch_embed(self.x_embedder.proj)
+        self.register_buffer("pos_embed", get_2d_sincos_pos_embed(hidden_size, self.grid_size))
+        # layers are initialised as built; the null class exists even without label dropout
+        self.t_embedder = TimestepEmbedder(hidden_size, match_weight_dtype=True)
+        self.t_embedder.initialize_weights()
+        self.y_embedder = LabelEmbedder(num_classes, hidden_size, class_dropout_prob, True)
+        self.y_embedder.initialize_weights()
         self.skip_sources: tuple[int | None, ...] = tuple(
             depth - 1 - i if skip and i >= depth - depth // 2 else None for i in range(depth)
         )
@@ -506,12 +425,11 @@ class DiffusionMamba(nn.Module):
             for src in self.skip_sources
         )
         self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels)
+        self.final_layer.initialize_weights()
 
     def unpatchify(self, x: Tensor) -> Tensor:
         """Patch values [batch, N, p * p * C] to images [batch, C, H, W]."""
-        (h, w), p, c = self.grid_size, self.patch_size, self.out_channels
-        x = torch.einsum("nhwpqc->nchpwq", x.reshape(-1, h, w, p, p, c))
-        return x.reshape(-1, c, h * p, w * p)
+        return unpatchify(x, self.grid_size, self.patch_size, self.out_channels)
 
     def forward(self, x: Tensor, t: Tensor, y: Tensor) -> Tensor:
         """Predict from images ``x`` [B, C, H, W], timesteps ``t`` [B] and labels ``y`` [B].
@@ -529,19 +447,22 @@ class DiffusionMamba(nn.Module):
             outputs.append(hidden)
         return self.unpatchify(self.final_layer(residual + hidden, c))
 
-    def forward_with_cfg(self, x: Tensor, t: Tensor, y: Tensor, cfg_scale: float) -> Tensor:
-        """Classifier-free guidance in one batched pass (conditional and null labels).
+    def forward_with_cfg(
+        self,
+        x: Tensor,
+        t: Tensor,
+        y: Tensor,
+        cfg_scale: float,
+        guidance_channels: int | None = None,
+    ) -> Tensor:
+        """Classifier-free guidance in one pass over a batch the caller doubled, as for DiT.
 
-        The first ``in_channels`` output channels are guided,
-        ``uncond + cfg_scale * (cond - uncond)``; the rest (learned sigma) are the conditional
-        prediction.
+        ``2B`` rows, conditional first, then the null class ``num_classes``; only ``x[:B]`` is
+        read. Both halves of the ``[2B, out_channels, H, W]`` result hold the guided noise
+        ``uncond + cfg_scale * (cond - uncond)``, the learned sigma stays per half (see
+        :func:`~tread_fx.models.layers.guided_forward`).
         """
-        null = torch.full_like(y, self.num_classes)
-        out = self(torch.cat([x, x]), torch.cat([t, t]), torch.cat([y, null]))
-        cond, uncond = out.chunk(2)
-        k = self.in_channels
-        guided = uncond[:, :k] + cfg_scale * (cond[:, :k] - uncond[:, :k])
-        return torch.cat([guided, cond[:, k:]], dim=1)
+        return guided_forward(self, x, t, y, cfg_scale, guidance_channels)
 
 
 def Mamba_S_2(**kwargs) -> DiffusionMamba:

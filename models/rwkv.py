@@ -9,7 +9,10 @@ bidirectional RWKV-4 WKV (one decay and one bonus per channel), conditioned with
 The grid WIDTH is fixed at construction; the grid HEIGHT is read from the token count at run
 time (``N // W``). A block therefore accepts any ``r`` whole rows of the patch grid (``N = r*W``),
 which is what TREAD's "rows" selection hands it. The WKV decay is divided by the current length,
-as in Diffusion-RWKV, so a routed subset sees a larger per-step decay.
+as in Diffusion-RWKV, so a routed subset sees a larger per-step decay. The embedders, the final
+layer, the sin-cos table (here the start of a learned position embedding) and ``unpatchify`` are
+DiT's, from :mod:`tread_fx.models.layers`; ``forward_with_cfg`` follows DiT's contract (the
+caller doubles the batch).
 
 Example:
     >>> import torch
@@ -22,24 +25,27 @@ Example:
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.fx
 import torch.nn.functional as F
 from timm.layers import PatchEmbed
 from torch import Tensor, nn
 
-__all__ = ["DiffusionRWKV", "RWKVBlock", "SpatialMix", "ChannelMix", "FinalLayer"]
-__all__ += ["TimestepEmbedder", "LabelEmbedder", "bi_wkv", "q_shift", "modulate"]
+from tread_fx.models.layers import (
+    FinalLayer,
+    LabelEmbedder,
+    TimestepEmbedder,
+    get_2d_sincos_pos_embed,
+    guided_forward,
+    initialize_dit_weights,
+    modulate,
+    unpatchify,
+)
+
+__all__ = ["DiffusionRWKV", "RWKVBlock", "SpatialMix", "ChannelMix", "bi_wkv", "q_shift"]
 __all__ += ["RWKV_S_2", "RWKV_B_2", "RWKV_models"]
 
 _LOG2E = 1.4426950408889634  # exponentials are taken as exp2 of log2-scaled values (see _scan)
-
-
-def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
-    """adaLN modulation ``x * (1 + scale) + shift`` with per-sample ``[B, 1, D]`` parameters."""
-    return x * (1 + scale) + shift
 
 
 def q_shift(x: Tensor, grid_width: int, shift_pixel: int = 1) -> Tensor:
@@ -358,81 +364,10 @@ class RWKVBlock(nn.Module):
             )
         if self.skip_linear is not None:
             x = self.skip_linear(torch.cat([x, skip], dim=-1))
-        mod = self.adaLN_modulation(c).unsqueeze(1).chunk(6, dim=-1)
+        mod = self.adaLN_modulation(c).chunk(6, dim=1)
         shift1, scale1, gate1, shift2, scale2, gate2 = mod
-        x = x + gate1 * self.spatial_mix(modulate(self.norm1(x), shift1, scale1))
-        return x + gate2 * self.channel_mix(modulate(self.norm2(x), shift2, scale2))
-
-
-class TimestepEmbedder(nn.Module):
-    """Sinusoidal timestep features followed by a two-layer SiLU MLP.
-
-    Example:
-        >>> TimestepEmbedder(32)(torch.tensor([1.0, 999.0])).shape
-        torch.Size([2, 32])
-    """
-
-    def __init__(self, hidden_size: int, frequency_size: int = 256) -> None:
-        super().__init__()
-        self.frequency_size = frequency_size
-        self.mlp = nn.Sequential(
-            nn.Linear(frequency_size, hidden_size), nn.SiLU(), nn.Linear(hidden_size, hidden_size)
-        )
-
-    def forward(self, t: Tensor) -> Tensor:
-        """Embeds timesteps ``[B]`` (integer or float) as ``[B, hidden_size]``."""
-        half = self.frequency_size // 2
-        exponent = torch.arange(half, dtype=torch.float32, device=t.device) / half
-        angles = t.float()[:, None] * torch.exp(-math.log(10000.0) * exponent)[None]
-        freq = torch.cat([torch.cos(angles), torch.sin(angles)], dim=-1)
-        freq = F.pad(freq, (0, self.frequency_size - 2 * half))
-        return self.mlp(freq.to(self.mlp[0].weight.dtype))
-
-
-class LabelEmbedder(nn.Module):
-    """Class embedding with a null class (index ``num_classes``) and label dropout in training.
-
-    Example:
-        >>> LabelEmbedder(10, 32, dropout_prob=0.1).eval()(torch.tensor([3, 10])).shape
-        torch.Size([2, 32])
-    """
-
-    def __init__(self, num_classes: int, hidden_size: int, dropout_prob: float = 0.1) -> None:
-        super().__init__()
-        self.num_classes, self.dropout_prob = num_classes, dropout_prob
-        self.embedding_table = nn.Embedding(num_classes + 1, hidden_size)
-
-    def forward(self, labels: Tensor) -> Tensor:
-        """Embeds labels ``[B]``; in training each is replaced by the null class w.p. ``p``."""
-        if self.training and self.dropout_prob > 0:
-            drop = torch.rand(labels.shape[0], device=labels.device) < self.dropout_prob
-            labels = torch.where(drop, torch.full_like(labels, self.num_classes), labels)
-        return self.embedding_table(labels)
-
-
-class FinalLayer(nn.Module):
-    """adaLN-modulated LayerNorm and a linear map to ``patch_size**2 * out_channels`` values."""
-
-    def __init__(self, hidden_size: int, patch_size: int, out_channels: int) -> None:
-        super().__init__()
-        self.norm_final = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
-        self.linear = nn.Linear(hidden_size, patch_size * patch_size * out_channels)
-        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 2 * hidden_size))
-
-    def forward(self, x: Tensor, c: Tensor) -> Tensor:
-        """Maps tokens ``[B, N, D]`` to per-patch outputs ``[B, N, p*p*out_channels]``."""
-        shift, scale = self.adaLN_modulation(c).unsqueeze(1).chunk(2, dim=-1)
-        return self.linear(modulate(self.norm_final(x), shift, scale))
-
-
-def _sincos_2d(dim: int, grid_size: tuple[int, int]) -> Tensor:
-    """2-D sin-cos table ``[1, H*W, dim]``: a quarter of the channels per sin/cos of row/col."""
-    (h, w), quarter = grid_size, dim // 4
-    omega = 1.0 / 10000.0 ** (torch.arange(quarter, dtype=torch.float64) / max(quarter, 1))
-    rows = torch.arange(h, dtype=torch.float64).repeat_interleave(w)  # row-major token order
-    r, c = rows[:, None] * omega, torch.arange(w, dtype=torch.float64).repeat(h)[:, None] * omega
-    table = torch.cat([torch.sin(r), torch.cos(r), torch.sin(c), torch.cos(c)], dim=1)
-    return F.pad(table, (0, dim - 4 * quarter)).float().unsqueeze(0)
+        x = x + gate1.unsqueeze(1) * self.spatial_mix(modulate(self.norm1(x), shift1, scale1))
+        return x + gate2.unsqueeze(1) * self.channel_mix(modulate(self.norm2(x), shift2, scale2))
 
 
 class DiffusionRWKV(nn.Module):
@@ -493,9 +428,10 @@ class DiffusionRWKV(nn.Module):
         self.patch_size, self.num_classes, self.learn_sigma = patch_size, num_classes, learn_sigma
         self.x_embedder = PatchEmbed(size, patch_size, in_channels, hidden_size, bias=True)
         self.grid_size: tuple[int, int] = tuple(self.x_embedder.grid_size)
-        self.pos_embed = nn.Parameter(_sincos_2d(hidden_size, self.grid_size))
-        self.t_embedder = TimestepEmbedder(hidden_size)
-        self.y_embedder = LabelEmbedder(num_classes, hidden_size, class_dropout_prob)
+        # Learned, starting from DiT's fixed sin-cos table (DiT keeps it fixed, as a buffer).
+        self.pos_embed = nn.Parameter(get_2d_sincos_pos_embed(hidden_size, self.grid_size))
+        self.t_embedder = TimestepEmbedder(hidden_size, match_weight_dtype=True)
+        self.y_embedder = LabelEmbedder(num_classes, hidden_size, class_dropout_prob, True)
         n = depth // 2 if skip else 0
         self.skip_pairs: dict[int, int] = {depth - 1 - j: j for j in range(n)}
         width = self.grid_size[1]
@@ -507,28 +443,15 @@ class DiffusionRWKV(nn.Module):
         self.initialize_weights()
 
     def initialize_weights(self) -> None:
-        """Xavier linears, normal embedders, zeroed adaLN modulation and output layer."""
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                nn.init.xavier_uniform_(module.weight)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-        proj = self.x_embedder.proj  # a per-patch linear map written as a conv
-        nn.init.xavier_uniform_(proj.weight.data.view(proj.weight.shape[0], -1))
-        nn.init.zeros_(proj.bias)
-        nn.init.normal_(self.y_embedder.embedding_table.weight, std=0.02)
-        nn.init.normal_(self.t_embedder.mlp[0].weight, std=0.02)
-        nn.init.normal_(self.t_embedder.mlp[2].weight, std=0.02)
-        zeroed = [block.adaLN_modulation[-1] for block in self.blocks]
-        for linear in [*zeroed, self.final_layer.adaLN_modulation[-1], self.final_layer.linear]:
-            nn.init.zeros_(linear.weight)
-            nn.init.zeros_(linear.bias)
+        """Xavier linears, normal embedders, zeroed adaLN modulation and output layer.
+
+        DiT's scheme: see :func:`~tread_fx.models.layers.initialize_dit_weights`.
+        """
+        initialize_dit_weights(self)
 
     def unpatchify(self, x: Tensor) -> Tensor:
         """Maps per-patch outputs ``[B, H*W, p*p*C]`` back to images ``[B, C, H*p, W*p]``."""
-        (h, w), p, c = self.grid_size, self.patch_size, self.out_channels
-        x = x.reshape(x.shape[0], h, w, p, p, c).permute(0, 5, 1, 3, 2, 4)
-        return x.reshape(x.shape[0], c, h * p, w * p)
+        return unpatchify(x, self.grid_size, self.patch_size, self.out_channels)
 
     def forward(self, x: Tensor, t: Tensor, y: Tensor) -> Tensor:
         """Noise (and variance) ``[B, out_channels, H, W]`` for latents ``x``, timesteps ``t``
@@ -544,6 +467,23 @@ class DiffusionRWKV(nn.Module):
             if i in sources:
                 saved[i] = x
         return self.unpatchify(self.final_layer(x, c))
+
+    def forward_with_cfg(
+        self,
+        x: Tensor,
+        t: Tensor,
+        y: Tensor,
+        cfg_scale: float,
+        guidance_channels: int | None = None,
+    ) -> Tensor:
+        """Classifier-free guidance over a ``2B`` batch doubled by the caller (DiT's contract).
+
+        Rows ``[:B]`` conditional, rows ``[B:]`` with the null class ``num_classes``; only
+        ``x[:B]`` is read. Both halves of the ``[2B, out_channels, H, W]`` result carry the guided
+        noise ``uncond + cfg_scale * (cond - uncond)``; variance channels stay per half (see
+        :func:`~tread_fx.models.layers.guided_forward`).
+        """
+        return guided_forward(self, x, t, y, cfg_scale, guidance_channels)
 
 
 def RWKV_S_2(**kwargs) -> DiffusionRWKV:

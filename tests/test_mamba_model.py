@@ -265,12 +265,14 @@ def test_skip_pairing_as_documented(depth, expected):
 
 
 def test_forward_with_cfg():
+    # DiT's contract: the caller doubles the batch, conditional rows first, then null labels
     model = tiny().eval()
     perturb_zero_init(model)
     x, t, y = inputs()
-    out = model.forward_with_cfg(x, t, y, cfg_scale=1.0)
-    assert out.shape == (3, 2, 8, 8)
-    torch.testing.assert_close(out, model(x, t, y), rtol=1e-5, atol=1e-5)
+    x2, t2, y2 = torch.cat([x, x]), torch.cat([t, t]), torch.cat([y, torch.full_like(y, 10)])
+    out = model.forward_with_cfg(x2, t2, y2, cfg_scale=1.0)
+    assert out.shape == (6, 2, 8, 8)
+    torch.testing.assert_close(out[:3], model(x, t, y), rtol=1e-5, atol=1e-5)
 
 
 def test_factories_and_registry():
