@@ -1,10 +1,8 @@
 """Pass 2 — locate: find the block stack and the token stream that flows through it.
 
-The block stack is the longest chain of ModuleList/Sequential containers of same-class
-modules whose members are called once each, in order, where each container's first block
-depends on the previous container's last block (Flux-style chained lists). ``blocks=``
-names the containers instead. The token stream is found by data flow: the value block ``i``
-hands to block ``i + 1`` that descends from the model's first tensor input.
+The block stack is chosen by :mod:`tread_fx.passes.stacks` (re-exported here). The token
+stream is found by data flow: the value block ``i`` hands to block ``i + 1`` that descends
+from the model's main input.
 
 Example:
     >>> import torch
@@ -18,14 +16,22 @@ Example:
 from __future__ import annotations
 
 import operator
-from collections import deque
-from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch.fx as fx
 from torch import nn
 
-from tread_fx.errors import AmbiguousBlockStackError, BlockStackNotFoundError, TokenStreamError
+from tread_fx.errors import TokenStreamError
+from tread_fx.passes.stacks import (
+    _ancestors,
+    _forward_path,
+    block_calls,
+    block_leaf_paths,
+    candidate_stacks,
+    choose_stack,
+    main_input,
+    resolve_block_lists,
+)
 from tread_fx.passes.trace import MODEL_PREFIX, TensorMeta, TracedCall
 
 __all__ = [
@@ -89,75 +95,6 @@ class StreamInfo:
         return len(self.blocks)
 
 
-def candidate_stacks(model: nn.Module) -> dict[str, nn.Module]:
-    """Return containers (ModuleList/Sequential) of >= 2 modules that all share one class.
-
-    Without any, ModuleLists of >= 2 modules of different classes (hybrid stacks that
-    interleave attention and scan layers, Jamba-style): data flow then decides whether their
-    members hand the token stream on, and same-class stays the preference.
-    """
-    found, mixed = {}, {}
-    for path, module in model.named_modules():
-        is_container = isinstance(module, (nn.ModuleList, nn.Sequential))
-        if is_container and len(module) >= 2 and len({type(c) for c in module}) == 1:
-            found[path] = module
-        elif isinstance(module, nn.ModuleList) and len(module) >= 2:
-            mixed[path] = module
-    return found or mixed
-
-
-def resolve_block_lists(
-    model: nn.Module, blocks: str | Sequence[str] | nn.Module | None
-) -> list[str]:
-    """Turn the user's ``blocks=`` into container paths, or all candidates when ``None``."""
-    if blocks is None:
-        return list(candidate_stacks(model))
-    items = [blocks] if isinstance(blocks, (str, nn.Module)) else list(blocks)
-    names = {id(m): p for p, m in model.named_modules()}
-    paths = []
-    for item in items:
-        path = names.get(id(item)) if isinstance(item, nn.Module) else item
-        if not isinstance(path, str):
-            raise BlockStackNotFoundError(
-                f"blocks= was given {item!r}, which is not a submodule of "
-                f"{type(model).__name__}; pass an attribute path such as 'blocks'."
-            )
-        try:
-            container = model.get_submodule(path)
-        except AttributeError:
-            raise BlockStackNotFoundError(
-                f"blocks={path!r} was asked for, but {type(model).__name__} has no submodule "
-                f"at that path; candidates are {sorted(candidate_stacks(model)) or 'none'}."
-            ) from None
-        if not isinstance(container, (nn.ModuleList, nn.Sequential)) or len(container) == 0:
-            raise BlockStackNotFoundError(
-                f"blocks={path!r} is a {type(container).__name__}, not a non-empty "
-                "ModuleList/Sequential of blocks; name the container that holds the blocks."
-            )
-        paths.append(path)
-    return paths
-
-
-def _is_nested_member(module: nn.Module) -> bool:
-    """A member that is itself a list of sub-blocks called in turn (``for attn, ff in
-    self.layers``): a ModuleList is never called as a whole."""
-    return isinstance(module, nn.ModuleList) and len(module) > 0
-
-
-def block_leaf_paths(model: nn.Module, list_paths: Iterable[str]) -> set[str]:
-    """Return the paths of every member of the given containers (traced as leaves); for a
-    member that is a list of sub-blocks, the paths of its sub-blocks."""
-    paths = set()
-    for p in list_paths:
-        for name, member in model.get_submodule(p).named_children():
-            path = f"{p}.{name}" if p else name
-            if _is_nested_member(member):
-                paths |= {f"{path}.{sub}" for sub, _ in member.named_children()}
-            else:
-                paths.add(path)
-    return paths
-
-
 def input_slots(node: fx.Node) -> dict[SlotKey, fx.Node]:
     """Map each argument position of ``node`` that holds a node to that node."""
     slots: dict[SlotKey, fx.Node] = {}
@@ -183,145 +120,6 @@ def output_slots(node: fx.Node) -> dict[tuple, fx.Node]:
     return slots
 
 
-def _ancestors(node: fx.Node, stop: set[fx.Node]) -> set[fx.Node]:
-    seen, todo = set(), [node]
-    while todo:
-        n = todo.pop()
-        for a in n.all_input_nodes:
-            if a not in seen:
-                seen.add(a)
-                if a not in stop:
-                    todo.append(a)
-    return seen
-
-
-def _block_calls(traced: TracedCall, list_paths: list[str]) -> dict[str, list[fx.Node]]:
-    """Calls of each container's members, in order; for a member that is a list of
-    sub-blocks, its first sub-block call (the block boundary is the first call into it)."""
-    calls: dict[str, list[fx.Node]] = {p: [] for p in list_paths}
-    entered: set[str] = set()
-    for node in traced.gm.graph.nodes:
-        if node.op != "call_module":
-            continue
-        target = node.target[len(MODEL_PREFIX) :]
-        parent = target.rpartition(".")[0]
-        grand = parent.rpartition(".")[0]
-        if parent in calls:
-            calls[parent].append(node)
-        elif grand in calls and parent not in entered and parent not in calls:
-            entered.add(parent)
-            calls[grand].append(node)
-    return calls
-
-
-def _valid_sequence(model: nn.Module, path: str, nodes: list[fx.Node]) -> bool:
-    names = [n for n, _ in model.get_submodule(path).named_children()]
-    start = len(MODEL_PREFIX) + (len(path) + 1 if path else 0)
-    called = [n.target[start:].split(".")[0] for n in nodes]  # member i (of a nested one too)
-    return called == names
-
-
-def _shape_distance(a: object, b: object) -> int | None:
-    """0: same shape; 1: same rank, one dim differs (channels, a learned sigma); else None."""
-    if not (isinstance(a, TensorMeta) and isinstance(b, TensorMeta)) or len(a.shape) != len(
-        b.shape
-    ):
-        return None
-    differing = sum(x != y for x, y in zip(a.shape, b.shape))
-    return differing if differing <= 1 else None
-
-
-def main_input(graph: fx.Graph) -> fx.Node:
-    """The model's main input: the noisy sample, whose shape the prediction has.
-
-    The tensor input with the shape of the first output (exactly, else up to one dim such as
-    the channels of a learned-sigma prediction) is the noisy input; a text or conditioning
-    input never has that shape. Without such an input, the first tensor input.
-    """
-    inputs = [n for n in graph.nodes if n.op == "placeholder"]
-    output = next(n for n in graph.nodes if n.op == "output")
-    first = next((a for a in _flat_nodes(output.args)), None)
-    out_meta = first.meta.get("tread_meta") if first is not None else None
-    ranked = [
-        (d, i) for i, n in enumerate(inputs)
-        if (d := _shape_distance(n.meta.get("tread_meta"), out_meta)) is not None
-    ]  # fmt: skip
-    return inputs[min(ranked)[1]] if ranked else inputs[0]
-
-
-def _flat_nodes(value: object) -> list[fx.Node]:
-    if isinstance(value, fx.Node):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [n for v in value for n in _flat_nodes(v)]
-    if isinstance(value, dict):
-        return [n for v in value.values() for n in _flat_nodes(v)]
-    return []
-
-
-def _fed_by(node: fx.Node, source: fx.Node) -> bool:
-    return node is source or source in _ancestors(node, set())
-
-
-def _chains(
-    model: nn.Module, calls: dict[str, list[fx.Node]], primary: fx.Node | None = None
-) -> list[list[str]]:
-    valid = [p for p, nodes in calls.items() if nodes and _valid_sequence(model, p, nodes)]
-    # a list whose blocks never see the model's main input (a text refiner, a perceiver over
-    # reference embeddings) neither heads nor competes with the stack the noisy input flows
-    # through; when no list sees it (an unusual argument order) all stay candidates
-    fed = [p for p in valid if primary is not None and _fed_by(calls[p][0], primary)]
-    valid = fed or valid
-    order = {n: i for i, n in enumerate(calls[valid[0]][0].graph.nodes)} if valid else {}
-    valid.sort(key=lambda p: order[calls[p][0]])
-    chains: list[list[str]] = []
-    for path in valid:
-        for chain in chains:
-            last = calls[chain[-1]][-1]
-            first = calls[path][0]
-            if order[first] > order[last] and last in _ancestors(first, set()):
-                chain.append(path)
-                break
-        else:
-            chains.append([path])
-    return chains
-
-
-def _hand_off_hops(chain: list[str], calls: dict[str, list[fx.Node]]) -> int:
-    """Ops on the paths from each block of ``chain`` to the next (fewest: the main stack)."""
-    nodes = [n for path in chain for n in calls[path]]
-    return sum(len(_forward_path(a, b)) for a, b in zip(nodes, nodes[1:]))
-
-
-def _choose_chain(model: nn.Module, chains: list[list[str]], calls, explicit: bool) -> list[str]:
-    if explicit:
-        if len(chains) != 1:
-            raise BlockStackNotFoundError(
-                f"blocks= named {sorted(calls)}, but their members are not called once each, "
-                "in order, one container after the other; name only the block containers "
-                "of the main stack, in call order."
-            )
-        return chains[0]
-    if not chains:
-        raise BlockStackNotFoundError(
-            f"no block stack found in {type(model).__name__}: no ModuleList/Sequential of "
-            f"same-class modules is called once per member in order (candidates: "
-            f"{sorted(calls) or 'none'}). Pass blocks='<attribute path>' to route()."
-        )
-    size = lambda chain: sum(len(calls[p]) for p in chain)
-    best = max(size(c) for c in chains)
-    top = [c for c in chains if size(c) == best]
-    if len(top) > 1:  # the stack hands the stream straight on; a side branch takes detours
-        hops = {tuple(c): _hand_off_hops(c, calls) for c in top}
-        top = [c for c in top if hops[tuple(c)] == min(hops.values())]
-    if len(top) > 1:
-        raise AmbiguousBlockStackError(
-            f"several block stacks of {best} blocks qualify in {type(model).__name__}: "
-            f"{[' + '.join(c) for c in top]}; pass blocks='<path>' to route() to choose one."
-        )
-    return top[0]
-
-
 def locate(
     traced: TracedCall,
     model: nn.Module,
@@ -341,10 +139,9 @@ def locate(
     Returns:
         The :class:`StreamInfo`.
     """
-    calls = _block_calls(traced, list_paths)
+    calls = block_calls(traced, list_paths)
     primary = main_input(traced.gm.graph)
-    chains = _chains(model, calls, None if explicit else primary)
-    chain = _choose_chain(model, chains, calls, explicit)
+    chain = choose_stack(model, calls, None if explicit else primary, explicit)
     while True:
         nodes = [(path, node) for path in chain for node in calls[path]]
         blocks = [
@@ -423,24 +220,6 @@ def _member_of(block: BlockCall) -> str:
     index = block.path[len(block.list_path) :].lstrip(".").split(".")[0]
     prefix = f"{block.list_path}.{index}." if block.list_path else f"{index}."
     return MODEL_PREFIX + prefix
-
-
-def _forward_path(source: fx.Node, target: fx.Node) -> list[fx.Node]:
-    """Nodes after ``source`` on the shortest user-path to ``target`` (empty if same)."""
-    parents: dict[fx.Node, fx.Node | None] = {source: None}
-    queue = deque([source])
-    while queue and target not in parents:
-        node = queue.popleft()
-        for user in node.users:
-            if user not in parents:
-                parents[user] = node
-                queue.append(user)
-    path = []
-    node = target if target in parents else source
-    while node is not source:
-        path.append(node)
-        node = parents[node]
-    return path[::-1]
 
 
 def _tensor_slots(node: fx.Node) -> dict[SlotKey, fx.Node]:
