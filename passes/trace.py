@@ -39,7 +39,6 @@ from torch.fx.proxy import Attribute
 from torch.utils import _pytree as pytree
 
 from tread_fx.adapters.values import TensorMeta
-from tread_fx.errors import UntraceableModelError
 from tread_fx.passes.trace_mutation import (
     defining_modules,
     drop_unused_sizes,
@@ -58,6 +57,9 @@ from tread_fx.passes.trace_support import (
     python_modules,
     refuse_python_random,
     report_grad_mode,
+    side_effect_error,
+    traceback_location,
+    untraceable_error,
     user_frame,
 )
 from tread_fx.registry import leaf_functions, leaf_modules
@@ -427,7 +429,8 @@ def trace_call(model: nn.Module, args: tuple, kwargs: dict, leaf_paths: set[str]
         The :class:`TracedCall`.
 
     Raises:
-        UntraceableModelError: when the model's own forward reads tensor data.
+        UntraceableModelError: when the model's own forward draws Python random numbers, does
+            what fx cannot record, or changes the module on every call.
     """
     flat, in_spec = pytree.tree_flatten((args, kwargs))
     auto_leaves: dict[str, str] = {}
@@ -451,13 +454,13 @@ def trace_call(model: nn.Module, args: tuple, kwargs: dict, leaf_paths: set[str]
             if not effects:
                 break
             if retraced:  # the forward changes the module on every call: never replay that
-                raise _side_effect_error(model, effects)
+                raise side_effect_error(model, effects)
             retraced, flags = True, module_flags(model)  # once, for real: trace after them
         except _EagerFailure as failure:
             raise failure.original from None
         except DataDependentError as err:
             if err.module_path is None or len(auto_leaves) >= _MAX_AUTO_LEAVES:
-                raise _untraceable(model, err) from None
+                raise untraceable_error(model, err) from None
             auto_leaves[err.module_path[len(MODEL_PREFIX) :]] = f"{err.what} at {err.where}"
         except Exception as err:  # fx limitation inside a submodule: make it a leaf
             library_fn = library_function_of(err, model_files)
@@ -466,8 +469,8 @@ def trace_call(model: nn.Module, args: tuple, kwargs: dict, leaf_paths: set[str]
                 continue
             path = getattr(err, "tread_module_path", None)
             if path is None or len(auto_leaves) >= _MAX_AUTO_LEAVES:
-                where = _traceback_location(err)
-                raise _untraceable(model, DataDependentError(str(err), None, where)) from None
+                where = traceback_location(err)
+                raise untraceable_error(model, DataDependentError(str(err), None, where)) from None
             auto_leaves[path[len(MODEL_PREFIX) :]] = f"{type(err).__name__}: {err}"
     thread_inplace(graph)
     drop_unused_sizes(graph)
@@ -496,29 +499,3 @@ def _trace_restoring_state(
         with torch.no_grad():
             for live, saved in buffers:
                 live.copy_(saved)
-
-
-def _side_effect_error(model: nn.Module, effects: list[str]) -> UntraceableModelError:
-    return UntraceableModelError(
-        f"{type(model).__name__}.forward changes the module on every call ("
-        + "; ".join(effects[:4])
-        + "). A routed graph would replay that on every training step; tread_fx lets such a "
-        "change happen once, while tracing, and traces again, but here the second trace "
-        "changed it again. Make the change once before routing (e.g. call the model once), "
-        "or move it out of forward."
-    )
-
-
-def _traceback_location(err: BaseException) -> str:
-    frames = [f for f in inspect.getinnerframes(err.__traceback__) if "torch" not in f.filename]
-    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "<unknown location>"
-
-
-def _untraceable(model: nn.Module, err: DataDependentError) -> UntraceableModelError:
-    return UntraceableModelError(
-        f"cannot trace {type(model).__name__}.forward: {err.what} at {err.where}. "
-        "Only shape-derived Python can be resolved while tracing; code in the model's own "
-        "forward that branches on tensor data or draws Python random numbers cannot be "
-        "routed safely. Move that code into a submodule and register it with "
-        "tread_fx.register_leaf_module (or the function with tread_fx.register_leaf_function)."
-    )

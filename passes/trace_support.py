@@ -30,6 +30,8 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from tread_fx.errors import UntraceableModelError
+
 __all__ = [
     "DataDependentError",
     "user_frame",
@@ -40,6 +42,9 @@ __all__ = [
     "report_grad_mode",
     "factories_take_proxies",
     "name_placeholders",
+    "side_effect_error",
+    "traceback_location",
+    "untraceable_error",
 ]
 
 _PYTHON_RANDOM = ("random", "uniform", "randint", "randrange", "choice", "sample", "shuffle")
@@ -228,3 +233,30 @@ def python_modules(model: nn.Module) -> list[types.ModuleType]:
 def module_namespaces(model: nn.Module) -> list[dict]:
     """Global namespaces of the Python modules defining the model's classes."""
     return [vars(module) for module in python_modules(model)]
+
+
+def side_effect_error(model: nn.Module, effects: list[str]) -> UntraceableModelError:
+    return UntraceableModelError(
+        f"{type(model).__name__}.forward changes the module on every call ("
+        + "; ".join(effects[:4])
+        + "). A routed graph would replay that on every training step; tread_fx lets such a "
+        "change happen once, while tracing, and traces again, but here the second trace "
+        "changed it again. Make the change once before routing (e.g. call the model once), "
+        "or move it out of forward."
+    )
+
+
+def traceback_location(err: BaseException) -> str:
+    frames = [f for f in inspect.getinnerframes(err.__traceback__) if "torch" not in f.filename]
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "<unknown location>"
+
+
+def untraceable_error(model: nn.Module, err: DataDependentError) -> UntraceableModelError:
+    return UntraceableModelError(
+        f"cannot trace {type(model).__name__}.forward: {err.what} at {err.where}. "
+        "Shape-derived Python is resolved while tracing, and tensor data read in the model's "
+        "own forward is resolved with a runtime guard; Python random numbers, and code fx "
+        "cannot record there, cannot be routed safely. Move that code into a submodule and "
+        "register it with "
+        "tread_fx.register_leaf_module (or the function with tread_fx.register_leaf_function)."
+    )
