@@ -274,13 +274,11 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--commit", default="", help="the diffusers commit the suite came from")
     t = sub.add_parser("timm", help="every timm architecture with a block stack")
     t.add_argument("--per-arch", action="store_true", help="one model per (model, block) class")
+    f = sub.add_parser("transformers", help="transformers' state-space and hybrid models")
     for s in (d, t):
         s.add_argument("--only", nargs="*", default=[], help="substrings of names to keep")
         s.add_argument("-j", "--jobs", type=int, default=2, help="worker processes at once")
-        s.add_argument("--out", type=Path, default=RESULTS, help="output path without suffix")
-        s.add_argument("--no-write", action="store_true", help="print only")
-    f = sub.add_parser("transformers", help="transformers' state-space and hybrid models")
-    for s in (f,):
+    for s in (d, t, f):
         s.add_argument("--out", type=Path, default=RESULTS, help="output path without suffix")
         s.add_argument("--no-write", action="store_true", help="print only")
     r = sub.add_parser("report", help="regenerate the markdown from the JSON")

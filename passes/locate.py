@@ -23,12 +23,12 @@ from torch import nn
 
 from tread_fx.errors import TokenStreamError
 from tread_fx.passes.stacks import (
-    _ancestors,
-    _forward_path,
+    ancestors,
     block_calls,
     block_leaf_paths,
     candidate_stacks,
     choose_stack,
+    forward_path,
     main_input,
     resolve_block_lists,
 )
@@ -201,7 +201,7 @@ def _stream_after_last(blocks: list[BlockCall]) -> fx.Node:
     last = blocks[-1]
     if len(blocks) < 2 or blocks[-2].list_path != last.list_path:
         return last.stream_out
-    path = _forward_path(blocks[-2].stream_out, last.stream_in)
+    path = forward_path(blocks[-2].stream_out, last.stream_in)
     node = last.stream_out
     # sub-blocks of a nested member (``layers.{i}.1``) replay as the last member's own
     same = lambda t: (
@@ -236,7 +236,7 @@ def _first_stream_slot(block: BlockCall, primary: fx.Node, block_nodes: set) -> 
         raise TokenStreamError(
             f"block {block.path} receives no tensor of rank >= 2; nothing to route."
         )
-    from_primary = [k for k, n in slots.items() if n is primary or primary in _ancestors(n, set())]
+    from_primary = [k for k, n in slots.items() if n is primary or primary in ancestors(n, set())]
     pool = from_primary or list(slots)
     return max(pool, key=lambda k: _num_elements(slots[k]))
 
@@ -249,7 +249,7 @@ def _num_elements(node: fx.Node) -> int:
 
 
 def _depends_on(node: fx.Node, outputs: dict[tuple, fx.Node], block_nodes: set) -> list[tuple]:
-    reach = _ancestors(node, block_nodes) | {node}
+    reach = ancestors(node, block_nodes) | {node}
     return [key for key, out in outputs.items() if out in reach]
 
 
@@ -291,7 +291,7 @@ def _assign_stream_slots(blocks: list[BlockCall], primary: fx.Node, block_nodes:
         else:
             slots = _tensor_slots(block.node)
             keys = [
-                k for k, n in slots.items() if prev.stream_out in _ancestors(n, block_nodes) | {n}
+                k for k, n in slots.items() if prev.stream_out in ancestors(n, block_nodes) | {n}
             ]
             if len(keys) != 1:
                 raise _UnclearHandOff(
@@ -359,7 +359,7 @@ def _prefix_from_concat(stream0: fx.Node, primary: fx.Node, token_dim: int, num_
     """Count leading tokens concatenated in front of the input-derived tokens (cls, registers)."""
     import torch
 
-    for node in _ancestors(stream0, set()) | {stream0}:
+    for node in ancestors(stream0, set()) | {stream0}:
         if node.op != "call_function" or node.target is not torch.cat:
             continue
         parts = node.args[0]
@@ -371,7 +371,7 @@ def _prefix_from_concat(stream0: fx.Node, primary: fx.Node, token_dim: int, num_
             continue
         prefix = 0
         for part in parts:
-            if part is primary or primary in _ancestors(part, set()):
+            if part is primary or primary in ancestors(part, set()):
                 return prefix
             prefix += part.meta["tread_meta"].shape[token_dim]
     return 0

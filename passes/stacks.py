@@ -35,6 +35,8 @@ __all__ = [
     "main_input",
     "block_calls",
     "choose_stack",
+    "ancestors",
+    "forward_path",
 ]
 
 
@@ -107,7 +109,7 @@ def block_leaf_paths(model: nn.Module, list_paths: Iterable[str]) -> set[str]:
     return paths
 
 
-def _ancestors(node: fx.Node, stop: set[fx.Node]) -> set[fx.Node]:
+def ancestors(node: fx.Node, stop: set[fx.Node]) -> set[fx.Node]:
     seen, todo = set(), [node]
     while todo:
         n = todo.pop()
@@ -119,7 +121,7 @@ def _ancestors(node: fx.Node, stop: set[fx.Node]) -> set[fx.Node]:
     return seen
 
 
-def _block_calls(traced: TracedCall, list_paths: list[str]) -> dict[str, list[fx.Node]]:
+def block_calls(traced: TracedCall, list_paths: list[str]) -> dict[str, list[fx.Node]]:
     """Calls of each container's members, in order; for a member that is a list of
     sub-blocks, its first sub-block call (the block boundary is the first call into it)."""
     calls: dict[str, list[fx.Node]] = {p: [] for p in list_paths}
@@ -184,7 +186,7 @@ def _flat_nodes(value: object) -> list[fx.Node]:
 
 
 def _fed_by(node: fx.Node, source: fx.Node) -> bool:
-    return node is source or source in _ancestors(node, set())
+    return node is source or source in ancestors(node, set())
 
 
 def _chains(
@@ -203,7 +205,7 @@ def _chains(
         for chain in chains:
             last = calls[chain[-1]][-1]
             first = calls[path][0]
-            if order[first] > order[last] and last in _ancestors(first, set()):
+            if order[first] > order[last] and last in ancestors(first, set()):
                 chain.append(path)
                 break
         else:
@@ -214,7 +216,7 @@ def _chains(
 def _hand_off_hops(chain: list[str], calls: dict[str, list[fx.Node]]) -> int:
     """Ops on the paths from each block of ``chain`` to the next (fewest: the main stack)."""
     nodes = [n for path in chain for n in calls[path]]
-    return sum(len(_forward_path(a, b)) for a, b in zip(nodes, nodes[1:]))
+    return sum(len(forward_path(a, b)) for a, b in zip(nodes, nodes[1:]))
 
 
 def _choose_chain(model: nn.Module, chains: list[list[str]], calls, explicit: bool) -> list[str]:
@@ -246,7 +248,7 @@ def _choose_chain(model: nn.Module, chains: list[list[str]], calls, explicit: bo
     return top[0]
 
 
-def _forward_path(source: fx.Node, target: fx.Node) -> list[fx.Node]:
+def forward_path(source: fx.Node, target: fx.Node) -> list[fx.Node]:
     """Nodes after ``source`` on the shortest user-path to ``target`` (empty if same)."""
     parents: dict[fx.Node, fx.Node | None] = {source: None}
     queue = deque([source])
@@ -262,11 +264,6 @@ def _forward_path(source: fx.Node, target: fx.Node) -> list[fx.Node]:
         path.append(node)
         node = parents[node]
     return path[::-1]
-
-
-def block_calls(traced: TracedCall, list_paths: list[str]) -> dict[str, list[fx.Node]]:
-    """Calls of each container's members, in order (see :func:`_block_calls`)."""
-    return _block_calls(traced, list_paths)
 
 
 def choose_stack(

@@ -248,7 +248,6 @@ class ValueTracer(fx.Tracer):
         self.module_stack: list[str] = []
         self.running_eager = 0
         self.checkpointed: set[int] = set()
-        self.guards: list[tuple[str, str, Any]] = []  # (what, where, traced value)
 
     # -- values -----------------------------------------------------------------------------
     def proxy(self, node: fx.Node) -> fx.Proxy:
@@ -284,7 +283,6 @@ class ValueTracer(fx.Tracer):
         value = reads.get(kind, torch.Tensor.item)(tensor)
         where = user_frame()
         self.create_proxy("call_function", check_traced_value, (proxy, value, kind, where), {})
-        self.guards.append((what, where, value))
         return value
 
     def structure(self, proxy: fx.Proxy, what: str) -> Any:
