@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import tread_fx
+from benchmarks.coverage_checks import randomize_zero_init  # noqa: F401 - re-exported to tests
 
 torch.set_num_threads(2)
 
@@ -19,14 +20,6 @@ def tiny_dit(depth: int = 6, input_size: int = 8, patch: int = 2, seed: int = 0,
     )
     randomize_zero_init(model)
     return model
-
-
-def randomize_zero_init(model: torch.nn.Module, scale: float = 0.02) -> None:
-    """Give adaLN-Zero/zero-init layers small random weights so every path carries signal."""
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.abs().sum() == 0:
-                p.normal_(0, scale)
 
 
 def dit_inputs(batch: int = 3, input_size: int = 8, channels: int = 1, seed: int = 1):

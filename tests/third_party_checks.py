@@ -15,6 +15,7 @@ import torch
 from conftest import randomize_zero_init
 
 import tread_fx
+from benchmarks.coverage_checks import first_tensor
 
 __all__ = [
     "Case",
@@ -56,19 +57,6 @@ class Case:
     def route(self, model: torch.nn.Module, rate: float = 0.5, **kwargs: Any) -> torch.nn.Module:
         options = {"seed": 0, **self.route_kwargs, **kwargs}
         return tread_fx.route(model, routes=self.routes, rate=rate, **options)
-
-
-def first_tensor(out: Any) -> torch.Tensor:
-    """The main output tensor of a model's return value (tuple, ModelOutput or tensor)."""
-    if isinstance(out, torch.Tensor):
-        return out
-    if isinstance(out, (tuple, list)):
-        return first_tensor(out[0])
-    for key in ("sample", "last_hidden_state", "logits"):
-        value = getattr(out, key, None)
-        if isinstance(value, torch.Tensor):
-            return value
-    raise TypeError(f"no tensor output in {type(out).__name__}")
 
 
 def train_forward(model: torch.nn.Module, case: Case, rng_seed: int = 123) -> torch.Tensor:
