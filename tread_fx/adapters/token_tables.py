@@ -31,6 +31,7 @@ Example:
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -142,17 +143,20 @@ def find_rows(
 
 
 def _rows_with_extra(node: fx.Node, shape: tuple, dims: list[int], n: int) -> RowMap | None:
-    """Find token rows among extra rows by the concatenation that built them.
+    """Find token rows among extra rows by the concatenation or the sum that built them.
 
     A table of ``T + N`` rows (Flux: text ids then image ids) is tied to the stream only if
     the graph concatenates it (or the ids it is computed from) from parts of which exactly
     one has ``N`` rows; the rows before that part are ``lead``, the rows after it ``trail``.
+    Failing that, a table allocated for ``N + T`` rows (``torch.ones(B, image_len +
+    text_len)``, a joint key mask) is tied to the stream by the traced sum of the two
+    lengths: its operand order is the row order.
     """
     for dim in dims:
         rows = shape[dim]
         if rows <= n:
             continue
-        parts = _cat_parts(node, rows, n)
+        parts = _cat_parts(node, rows, n) or _sum_parts(node, rows, n)
         if parts is not None:
             lead, trail = parts
             return RowMap((dim,), lead=lead, trail=trail)
@@ -194,6 +198,35 @@ def _split_of(cat: fx.Node, rows: int, n: int) -> tuple[int, int] | None:
         return None
     at = candidates[0]
     return sum(sizes[:at]), sum(sizes[at + 1 :])
+
+
+def _sum_parts(node: fx.Node, rows: int, n: int) -> tuple[int, int] | None:
+    """Search ``node``'s ancestors for a traced ``a + b == rows`` of lengths, one of ``n``."""
+    seen, todo = {node}, [node]
+    while todo and len(seen) < _SEARCH_LIMIT:
+        current = todo.pop(0)
+        if current.op == "call_function" and current.target is operator.add:
+            found = _split_of_sum(current, rows, n)
+            if found is not None:
+                return found
+        for arg in current.all_input_nodes:
+            if arg not in seen:
+                seen.add(arg)
+                todo.append(arg)
+    return None
+
+
+def _split_of_sum(add: fx.Node, rows: int, n: int) -> tuple[int, int] | None:
+    values = [a.meta.get("tread_meta") if isinstance(a, fx.Node) else a for a in add.args[:2]]
+    if len(values) != 2 or not all(type(v) is int for v in values) or sum(values) != rows:
+        return None
+    first, second = values
+    candidates = [i for i, v in enumerate(values) if v == n]
+    if len(candidates) > 1:  # N == T: the operand computed from the image/latent input
+        candidates = [i for i in candidates if _from_image_input(add.args[i])]
+    if len(candidates) != 1:
+        return None
+    return (0, second) if candidates[0] == 0 else (first, 0)
 
 
 def _from_image_input(part: fx.Node) -> bool:
