@@ -58,11 +58,23 @@ def _mark(node: fx.Node, meta: Any, role: str, route: int) -> fx.Node:
 
 
 def _with_tokens(meta: Any, token_dim: int, count: int) -> Any:
-    if not isinstance(meta, TensorMeta):
+    if not isinstance(meta, TensorMeta) or token_dim >= len(meta.shape):
         return meta
     shape = list(meta.shape)
     shape[token_dim] = count
     return dataclasses.replace(meta, shape=tuple(shape))
+
+
+def _gathered_meta(meta: Any, crossing: Crossing, plan: RoutePlan) -> Any:
+    """The shape metadata of a gathered side value: the stream's token dim, or the token
+    row dims an adapter named (tables keep ``lead``/``trail`` rows and drop ``skip``)."""
+    options = crossing.options or {}
+    if crossing.action == "gather" or "dims" not in options:
+        return _with_tokens(meta, plan.layout.token_dim, plan.kept_tokens)
+    rows = plan.kept_tokens - options["skip"] + options["lead"] + options["trail"]
+    for dim in options["dims"]:
+        meta = _with_tokens(meta, dim, rows)
+    return meta
 
 
 def _add_noise_input(graph: fx.Graph, plan: RoutePlan) -> fx.Node:
@@ -81,8 +93,8 @@ def _gather(graph: fx.Graph, crossing: Crossing, idx: fx.Node, plan: RoutePlan) 
         else:
             fields = {**dataclasses.asdict(layout), **crossing.options}
             new = graph.call_function(crossing.action, (crossing.node, idx), fields)
-    meta = crossing.node.meta.get("tread_meta")
-    _mark(new, _with_tokens(meta, layout.token_dim, plan.kept_tokens), "gather", plan.index)
+    meta = _gathered_meta(crossing.node.meta.get("tread_meta"), crossing, plan)
+    _mark(new, meta, "gather", plan.index)
     for user in crossing.users:
         user.replace_input_with(crossing.node, new)
 

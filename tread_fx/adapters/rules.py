@@ -4,7 +4,7 @@ Each rule is an :class:`~tread_fx.adapters.registry.Adapter`; its ``doc`` says w
 assumes. The registry consults user adapters first, then these:
 ``conditioning-by-name``, ``rope-timm-eva``, ``rope-per-sample``, ``rope-batch-shared``,
 ``attention-mask``, ``attention-mask-shared``, ``position-ids``, ``position-ids-shared``,
-``stream-derived``, ``residual``.
+``token-index-shared``, ``stream-derived``, ``residual``.
 
 Example:
     >>> from tread_fx.adapters.rules import BUILTIN_ADAPTERS
@@ -13,6 +13,8 @@ Example:
 """
 
 from __future__ import annotations
+
+import torch
 
 from tread_fx.adapters.registry import Adapter, SideValue
 from tread_fx.adapters.token_tables import (
@@ -123,6 +125,17 @@ def _position_rows(side: SideValue, per_sample: bool) -> RowMap | None:
     return find_rows(side, batch=batch, features_last=False, all_dims=False)
 
 
+def _token_index_rows(side: SideValue) -> RowMap | None:
+    """A 1-D integer tensor with one entry per token (N, or N - prefix, entries)."""
+    metas = tensor_metas(side.meta)
+    if metas is None or len(metas) != 1 or len(metas[0].shape) != 1:
+        return None
+    dtype = metas[0].dtype
+    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        return None
+    return find_rows(side, batch=None, features_last=False, all_dims=False)
+
+
 BUILTIN_ADAPTERS: tuple[Adapter, ...] = (
     Adapter(
         name="conditioning-by-name",
@@ -230,6 +243,20 @@ BUILTIN_ADAPTERS: tuple[Adapter, ...] = (
         doc=(
             "Token positions without a batch dim ([N], or [1, N] broadcast over the batch, "
             "as transformers builds them): indexed with a selection shared across the batch."
+        ),
+        builtin=True,
+    ),
+    Adapter(
+        name="token-index-shared",
+        matches=lambda side: _token_index_rows(side) is not None,
+        action=take_rows,
+        options=lambda side: _token_index_rows(side).options(None),
+        shares_selection=True,
+        doc=(
+            "A 1-D integer tensor of N (or N - prefix) entries under any name holds one index "
+            "per token (a per-token modulation index, a segment or modality id, a position): "
+            "the kept tokens keep their entries, indexed with a selection shared across the "
+            "batch. Floating-point [N] vectors are not assumed to be per token."
         ),
         builtin=True,
     ),
