@@ -9,6 +9,7 @@ Modules:
     report: the JSON file, the markdown table and the targets.
     step_time: the command line.
     block_time: forward + backward time of one block of each backbone.
+    official: our DiT + route() beside the authors' hand-edited DiT (their files from a path).
 """
 
 __all__: list[str] = []

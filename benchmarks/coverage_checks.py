@@ -40,10 +40,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
 import tread_fx
-from tread_fx.inspection.flops import FLOP_FORMULAS
+from tread_fx.inspection.flops import flop_counter
 
 __all__ = ["Case", "Verdict", "judge", "first_tensor", "randomize_zero_init", "VERDICTS"]
 
@@ -166,11 +165,11 @@ def _learning(model: nn.Module, case: Case) -> set[str]:
 
 
 def _forward_flops(model: nn.Module, case: Case) -> int:
-    """Forward FLOPs of a training call, with grad (FlopCounterMode's module hooks need
+    """Forward FLOPs of a training call, with grad (the counter's module hooks need
     grad_fns). A first call outside the counter traces a routed model for this grad mode:
     the trace's own real forward is not counted."""
     _forward(model, case, train=True)
-    counter = FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS)
+    counter = flop_counter()
     with counter:
         _forward(model, case, train=True)
     return counter.get_total_flops()

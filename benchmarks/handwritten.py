@@ -94,7 +94,7 @@ def dit_forward(
     model: nn.Module, x: Tensor, t: Tensor, y: Tensor, ids: Tensor, start: int, end: int
 ) -> Tensor:
     """The reference DiT's training forward with blocks ``start .. end-1`` on tokens ``ids``."""
-    h = model.x_embedder(x) + model.pos_embed
+    h = model.pos_embed + model.x_embedder(x)  # as DiT.forward: a contiguous token stream
     c = model.t_embedder(t) + model.y_embedder(y)
     saved = h
     for i, block in enumerate(model.blocks):

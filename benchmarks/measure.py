@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.flop_counter import FlopCounterMode
 
 import tread_fx
 from benchmarks.handwritten import forward_for
 from benchmarks.specs import ModelSpec
+from tread_fx.inspection.flops import flop_counter
 
 __all__ = [
     "VARIANTS",
@@ -241,8 +241,13 @@ def count_flops(
     target: Tensor,
     autocast: Callable[[], contextlib.AbstractContextManager],
 ) -> int:
-    """FLOPs of one forward + backward (``torch.utils.flop_counter``; matmul/conv/attention)."""
-    with FlopCounterMode(display=False) as counter:
+    """FLOPs of one forward + backward: matmul, convolution and attention.
+
+    Counted with the project's counter (:func:`tread_fx.inspection.flops.flop_counter`):
+    torch's stock ``FlopCounterMode`` has no formula for the CPU attention kernel and would
+    leave attention out of every CPU FLOP ratio.
+    """
+    with flop_counter() as counter:
         with autocast():
             out = forward()
         F.mse_loss(out.float(), target).backward()

@@ -2,7 +2,8 @@
 
 For each model, in one process and interleaved (round ``r`` runs every variant once), this
 measures the forward + backward + AdamW step time of the three variants in eager and
-``torch.compile`` mode, the FLOP ratio (``torch.utils.flop_counter``), the efficiency
+``torch.compile`` mode, the FLOP ratio (the project's counter,
+:func:`tread_fx.inspection.flops.flop_counter`: CPU attention included), the efficiency
 (measured speed-up / FLOP-predicted speed-up), the activation-memory ratio and, for DiT-XL/2,
 the time of the first routed call (trace + rewrite). Writes ``<out>.json`` and ``<out>.md``.
 
@@ -234,8 +235,10 @@ def _method_notes(device: torch.device) -> list[str]:
         "three variants of a model share one model and one optimizer per mode",
         "interleaved: every round runs each variant once, order rotated per round; times are "
         "medians over rounds; speed-ups and route()/hand are medians of per-round ratios",
-        "FLOPs: torch.utils.flop_counter.FlopCounterMode over one eager forward + backward "
-        "(matmul, convolution, attention); FLOP-predicted speed-up = 1 / FLOP ratio; "
+        "FLOPs: tread_fx.inspection.flops.flop_counter (torch's FlopCounterMode plus the CPU "
+        "attention kernel's formula and a groups-aware convolution backward) over one eager "
+        "forward + backward (matmul, convolution, attention); FLOP-predicted speed-up = "
+        "1 / FLOP ratio; "
         "efficiency = measured speed-up / predicted speed-up; the optimizer step is timed but "
         "not counted",
         f"memory: {memory}",

@@ -207,7 +207,12 @@ class DiT(nn.Module):
         Returns:
             ``[B, out_channels, H, W]``.
         """
-        x = self.x_embedder(x) + self.pos_embed
+        # pos_embed first: the sum takes its contiguous [B, N, D] layout. timm's PatchEmbed
+        # returns the tokens as a transposed view of the conv output (strides (N*D, 1, N)); as
+        # the first operand it would keep the whole residual stream transposed, and every
+        # LayerNorm and residual add of every block would pay for it (a few % of a CPU step).
+        # The values are bitwise those of `x_embedder(x) + pos_embed`: addition commutes.
+        x = self.pos_embed + self.x_embedder(x)
         c = self.t_embedder(t) + self.y_embedder(y)
         for block in self.blocks:
             x = block(x, c)

@@ -76,6 +76,47 @@ def test_route_costs_the_same_flops_and_saved_bytes_as_the_handwritten_forward(n
     assert saved["route()"] == saved["hand-written"] < saved["unrouted"]
 
 
+class _AttentionOnly(torch.nn.Module):
+    """Self-attention with no projection: every FLOP is in F.scaled_dot_product_attention."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = x.unflatten(-1, (2, -1)).transpose(1, 2)  # [B, heads=2, N, head_dim]
+        out = torch.nn.functional.scaled_dot_product_attention(q, q, q)
+        return out.transpose(1, 2).flatten(2)
+
+
+def test_count_flops_counts_cpu_attention_forward_and_backward():
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    x = torch.randn(2, 16, 8, requires_grad=True)  # [B, N, D]: 2 heads of width 4
+    target = torch.randn(2, 16, 8)
+    flops = measure.count_flops(lambda: _AttentionOnly()(x), target, contextlib.nullcontext)
+    shape = (2, 2, 16, 4)
+    expected = sdpa_flop_count(shape, shape, shape) + sdpa_backward_flop_count(
+        shape, shape, shape, shape
+    )
+    assert flops == expected > 0  # torch's stock counter has no CPU attention formula
+
+
+def test_count_flops_of_a_dit_includes_its_attention(monkeypatch):
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    spec = get_spec("dit-s2", tiny=True)
+    model = spec.build(seed=0)
+    x, t, y, target = make_inputs(spec, batch=2)
+    none = contextlib.nullcontext
+    counted = measure.count_flops(lambda: model(x, t, y), target, none)
+    no_flops = lambda q, k, v, **kwargs: v * q.sigmoid() * k.sigmoid()  # noqa: E731
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", no_flops)
+    without = measure.count_flops(lambda: model(x, t, y), target, none)
+    heads, width = spec.kwargs["num_heads"], spec.kwargs["hidden_size"]
+    shape = (2, heads, model.grid_size[0] * model.grid_size[1], width // heads)
+    per_block = sdpa_flop_count(shape, shape, shape) + sdpa_backward_flop_count(
+        shape, shape, shape, shape
+    )
+    assert counted - without == len(model.blocks) * per_block > 0
+
+
 def _check_results(out: Path, models: list[str], modes: list[str]) -> None:
     data = json.loads(out.with_suffix(".json").read_text())
     assert data["meta"]["clock"] in measure.CLOCKS and data["meta"]["tiny"] is True

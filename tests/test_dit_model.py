@@ -193,6 +193,39 @@ def test_zero_init_model_learns_after_one_step() -> None:
     assert model(x, t, y).any()
 
 
+def _stream_first_forward(model: DiT, x, t, y) -> torch.Tensor:
+    """DiT.forward as the reference code writes it: ``x_embedder(x) + pos_embed``."""
+    h = model.x_embedder(x) + model.pos_embed
+    c = model.t_embedder(t) + model.y_embedder(y)
+    for block in model.blocks:
+        h = block(h, c)
+    return model.unpatchify(model.final_layer(h, c))
+
+
+def test_blocks_see_a_contiguous_token_stream_with_the_reference_values() -> None:
+    model = perturb_zero_init(tiny_dit(depth=3)).eval()
+    x, t, y = inputs(model)
+    seen = []
+    hooks = [
+        block.register_forward_pre_hook(lambda _, args: seen.append(args[0].is_contiguous()))
+        for block in model.blocks
+    ]
+    out = model(x, t, y)
+    for hook in hooks:
+        hook.remove()
+    assert seen == [True] * 3  # timm's PatchEmbed alone gives a transposed [B, N, D] view
+    assert not (model.x_embedder(x) + model.pos_embed).is_contiguous()
+    grads = []
+    for forward in (DiT.forward, _stream_first_forward):
+        model.zero_grad(set_to_none=True)
+        result = forward(model, x, t, y)
+        result.square().mean().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        assert torch.equal(result, out)  # bitwise: only the memory layout differs
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
 def test_eval_is_deterministic() -> None:
     model = perturb_zero_init(tiny_dit(class_dropout_prob=0.5)).eval()
     x, t, y = inputs(model)

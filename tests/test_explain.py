@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import tread_fx
-from tread_fx.inspection.flops import FLOP_FORMULAS
+from tread_fx.inspection.flops import FLOP_FORMULAS, flop_counter
 from tread_fx.inspection.inputs import example_inputs
 from tread_fx.inspection.render import to_dot
 from tread_fx.inspection.report import SCHEMA
@@ -25,8 +25,8 @@ MAMBA = dict(input_size=8, in_channels=1, num_classes=10, depth=4, hidden_size=3
 
 
 def _direct_flops(model: nn.Module, args: tuple) -> int:
-    """FLOPs of one real training step, counted by torch's FlopCounterMode."""
-    with FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS) as counter:
+    """FLOPs of one real training step, counted by the project's FlopCounterMode."""
+    with flop_counter() as counter:
         model.train()(*args).sum().backward()
     model.zero_grad(set_to_none=True)
     return counter.get_total_flops()

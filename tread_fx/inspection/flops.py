@@ -13,8 +13,8 @@ Everything runs on fake tensors (no compute, no memory; the model is not modifie
 The total is the outside part plus every block call, so a 28-block model costs two block
 traces (full and routed token count), not 28. FLOPs use the formulas of
 ``torch.utils.flop_counter`` with :data:`FLOP_FORMULAS` (the CPU attention kernel it lacks, a
-groups-aware convolution backward), so the totals equal
-``FlopCounterMode(custom_mapping=FLOP_FORMULAS)`` on a real step.
+groups-aware convolution backward), so the totals equal :func:`flop_counter` (that is,
+``FlopCounterMode(custom_mapping=FLOP_FORMULAS)``) on a real step.
 
 Example:
     >>> import torch, tread_fx
@@ -45,6 +45,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import (
+    FlopCounterMode,
     conv_flop_count,
     flop_registry,
     sdpa_backward_flop_count,
@@ -57,6 +58,7 @@ from tread_fx.runtime.ops import call_in_fp32
 
 __all__ = [
     "FLOP_FORMULAS",
+    "flop_counter",
     "module_arg_index",
     "OpCounts",
     "Cost",
@@ -101,8 +103,32 @@ FLOP_FORMULAS: dict[Any, Callable[..., int]] = {
 The CPU flash-attention kernel has no formula there, and its convolution backward counts the
 weight gradient of a grouped convolution ``groups`` times (a depthwise conv over ``C``
 channels as if it were dense: Mamba's causal conv). Pass them to
-``FlopCounterMode(custom_mapping=FLOP_FORMULAS)`` to count like this module.
+``FlopCounterMode(custom_mapping=FLOP_FORMULAS)`` (or use :func:`flop_counter`) to count like
+this module.
 """
+
+
+def flop_counter(display: bool = False) -> FlopCounterMode:
+    """The project's FLOP counter: ``FlopCounterMode`` with :data:`FLOP_FORMULAS` added.
+
+    Count every FLOP figure with this one (benchmarks, tests, coverage): torch's stock counter
+    has no formula for the CPU attention kernel, so it counts 0 FLOPs for
+    ``F.scaled_dot_product_attention`` on CPU, and over-counts a grouped convolution's
+    backward.
+
+    Args:
+        display: Print torch's per-module table when the counter exits.
+
+    Example:
+        >>> import torch, torch.nn.functional as F
+        >>> q = torch.randn(1, 2, 8, 4)  # [B, heads, tokens, head_dim]
+        >>> with flop_counter() as counter:
+        ...     _ = F.scaled_dot_product_attention(q, q, q)
+        >>> counter.get_total_flops()  # 2 matmuls of 2 * 1 * 2 * 8 * 8 * 4 FLOPs
+        2048
+    """
+    return FlopCounterMode(display=display, custom_mapping=FLOP_FORMULAS)
+
 
 _FORMULAS = {**flop_registry, **{k: shape_wrapper(v) for k, v in FLOP_FORMULAS.items()}}
 

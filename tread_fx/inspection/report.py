@@ -392,8 +392,8 @@ def _flops_section(exp: Explanation, s: Style) -> list[str]:
         f"  {speed} per training step (forward + backward FLOPs "
         f"{fmt_flops(f.original.flops)} -> {fmt_flops(f.routed.flops)}), "
         f"forward alone {f.forward_speedup:.2f}x",
-        "  (FLOPs of matmuls, convolutions and attention, torch.utils.flop_counter; "
-        "memory-bound ops not included)",
+        "  (FLOPs of matmuls, convolutions and attention, torch.utils.flop_counter with "
+        "tread_fx's CPU attention formula; memory-bound ops not included)",
         s("ATen ops added / removed by routing (forward)", "bold"),
     ]
     delta = f.aten_delta()
