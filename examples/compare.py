@@ -9,147 +9,98 @@ Usage:
     python examples/compare.py --out docs/results/compare_mnist --budget 600 --seeds 0 1 2 \\
         -- --data mnist --model dit --depth 8 --width 256 --patch-size 2
     python examples/compare.py --report-only --out docs/results/compare_mnist
+
+Convergence (``--baseline-steps``: the baseline trains that many steps and TREAD trains as
+long as the baseline runs; ``--curve-fid N``: afterwards, FID/KID of N samples at every saved
+checkpoint, see ``fid_curve.py``; ``compare_report.py`` computes the speed-ups)::
+
+    python examples/compare.py --out runs/convergence --baseline-steps 3000 --curve-fid 2000 \\
+        -- --data mnist --depth 12 --width 64 --heads 4 --patch-size 4 --save-every 750 \\
+        --keep-checkpoints 0
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from compare_report import ARMS, write_report  # noqa: E402
 
-__all__ = ["run_pair", "load_runs", "summarise", "write_report", "main"]
+__all__ = ["run_pair", "curve_fids", "main"]
 
-ARMS = ("baseline", "tread")
 TRAIN = Path(__file__).with_name("train.py")
+FID_CURVE = Path(__file__).with_name("fid_curve.py")
 
 
 def run_pair(
-    out: Path, seed: int, budget: float, train_args: list[str], fid: int, routes: str
+    out: Path,
+    seed: int,
+    budget: float,
+    train_args: list[str],
+    fid: int,
+    routes: str,
+    baseline_steps: int | None = None,
 ) -> None:
-    """Run both arms of one seed concurrently (one thread each) and wait for both."""
+    """Run both arms of one seed concurrently (one thread each) and wait for both.
+
+    With ``baseline_steps`` the baseline trains that many steps and TREAD trains until the
+    baseline is done (a stop file), so both arms get the same wall-clock and TREAD the extra
+    steps its cheaper step buys. Otherwise both stop at ``budget`` training seconds.
+    """
+    stop_file = out / f"seed{seed}" / "baseline.done"
+    stop_file.unlink(missing_ok=True)
+    if baseline_steps:
+        limits = (
+            ["--steps", str(baseline_steps)],
+            ["--steps", "1000000000", "--stop-file", str(stop_file)],
+        )
+    else:
+        limits = (["--time-budget", str(budget)],) * 2
     procs = []
-    for arm, routing in zip(ARMS, (["--routes", "none"], ["--routes", routes])):
+    for arm, routing, limit in zip(ARMS, (["--routes", "none"], ["--routes", routes]), limits):
         run_dir = out / f"seed{seed}" / arm
         command = [
             sys.executable, str(TRAIN), *train_args, *routing, "--seed", str(seed),
-            "--time-budget", str(budget), "--threads", "1", "--out", str(run_dir),
-            "--fid-samples", str(fid),
+            *limit, "--threads", "1", "--out", str(run_dir), "--fid-samples", str(fid),
         ]  # fmt: skip
         run_dir.mkdir(parents=True, exist_ok=True)
         log = (run_dir / "stdout.log").open("w")
         procs.append((arm, subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)))
     for arm, proc in procs:
-        if proc.wait() != 0:
+        code = proc.wait()
+        stop_file.touch()
+        if code != 0:
+            for _, other in procs:
+                other.kill()
             raise SystemExit(f"compare.py: seed {seed} {arm} failed; see {out}/seed{seed}/{arm}")
 
 
-def _records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def load_runs(out: Path) -> dict[str, list[dict]]:
-    """Per arm, one dict per seed: the validation curve and the final FID/KID."""
-    runs: dict[str, list[dict]] = {arm: [] for arm in ARMS}
-    for seed_dir in sorted(out.glob("seed*")):
-        for arm in ARMS:
-            records = _records(seed_dir / arm / "metrics.jsonl")
-            curve = [r for r in records if r.get("val_loss_ema") is not None and "event" not in r]
-            fid = next((r for r in records if r.get("event") == "fid"), {})
-            runs[arm].append(
-                {
-                    "seed": seed_dir.name,
-                    "time": np.array([r["time_s"] for r in curve]),
-                    "step": np.array([r["step"] for r in curve]),
-                    "val": np.array([r["val_loss_ema"] for r in curve]),
-                    "steps_per_s": curve[-1]["step"] / curve[-1]["time_s"],
-                    "fid": fid.get("fid"),
-                    "kid": fid.get("kid_mean", fid.get("kid")),
-                }
-            )
-    return runs
-
-
-def _at(run: dict, key: str, where: float) -> float:
-    return float(np.interp(where, run[key], run["val"]))
-
-
-def _mean_std(values: list[float | None]) -> str:
-    values = [v for v in values if v is not None]
-    if not values:
-        return "n/a"
-    if len(values) == 1:
-        return f"{values[0]:.4g} (1 seed)"
-    return f"{statistics.mean(values):.4g} ± {statistics.stdev(values):.2g}"
-
-
-def summarise(runs: dict[str, list[dict]]) -> list[dict]:
-    """Rows of the report table, one per arm (mean ± std over seeds)."""
-    common_time = min(r["time"][-1] for arm in runs.values() for r in arm)
-    half_time = common_time / 2
-    rows = []
-    for arm, seeds in runs.items():
-        rows.append(
-            {
-                "arm": arm,
-                "seeds": len(seeds),
-                "steps": _mean_std([float(r["step"][-1]) for r in seeds]),
-                "steps/s": _mean_std([r["steps_per_s"] for r in seeds]),
-                f"val loss @ {half_time:.0f}s": _mean_std(
-                    [_at(r, "time", half_time) for r in seeds]
-                ),
-                f"val loss @ {common_time:.0f}s": _mean_std(
-                    [_at(r, "time", common_time) for r in seeds]
-                ),
-                "final FID": _mean_std([r["fid"] for r in seeds]),
-                "final KID": _mean_std([r["kid"] for r in seeds]),
-            }
-        )
-    return rows
-
-
-def _plot(runs: dict[str, list[dict]], out: Path) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = []
-    for key, label in (("time", "training wall-clock (s)"), ("step", "optimizer steps")):
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for (arm, seeds), color in zip(runs.items(), ("tab:gray", "tab:red")):
-            for i, run in enumerate(seeds):
-                ax.plot(run[key], run["val"], color=color, alpha=0.8, label=arm if i == 0 else None)
-        ax.set_xlabel(label)
-        ax.set_ylabel("validation loss (EMA, eval mode)")
-        ax.set_yscale("log")
-        ax.legend()
-        ax.grid(alpha=0.3)
-        name = f"val_loss_vs_{key}.png"
-        fig.tight_layout()
-        fig.savefig(out / name, dpi=120)
-        plt.close(fig)
-        names.append(name)
-    return names
-
-
-def _per_seed_table(runs: dict[str, list[dict]]) -> list[str]:
-    """Per seed: steps and validation loss of both arms at that seed's common wall-clock."""
-    lines = ["", "| seed | arm | steps | steps/s | val loss at the seed's common time |",
-             "|---|---|---|---|---|"]  # fmt: skip
-    for i, base in enumerate(runs["baseline"]):
-        pair = (base, runs["tread"][i])
-        common = min(r["time"][-1] for r in pair)
-        for arm, run in zip(ARMS, pair):
-            lines.append(
-                f"| {run['seed']} | {arm} | {int(run['step'][-1])} | {run['steps_per_s']:.3f} "
-                f"| {_at(run, 'time', common):.4f} @ {common:.0f}s |"
-            )
-    return lines
+def curve_fids(out: Path, seeds: list[int], samples: int, sample_steps: int | None) -> None:
+    """FID/KID at every checkpoint of every arm (``fid_curve.py``), two runs at a time."""
+    runs = [out / f"seed{seed}" / arm for seed in seeds for arm in ARMS]
+    extra = ["--sample-steps", str(sample_steps)] if sample_steps else []
+    for i in range(0, len(runs), 2):
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    str(FID_CURVE),
+                    str(run),
+                    "--samples",
+                    str(samples),
+                    "--threads",
+                    "1",
+                    *extra,
+                ]
+            )  # fmt: skip
+            for run in runs[i : i + 2]
+        ]
+        if any(proc.wait() != 0 for proc in procs):
+            raise SystemExit(f"compare.py: fid_curve.py failed on {runs[i : i + 2]}")
 
 
 def _saved_argv(out: Path) -> list[str]:
@@ -157,60 +108,59 @@ def _saved_argv(out: Path) -> list[str]:
     return json.loads(path.read_text())["argv"] if path.exists() else []
 
 
-def write_report(out: Path, train_args: list[str], budget: float | None) -> Path:
-    """Write ``report.md`` and the plots into ``out``; return the report path."""
-    runs = load_runs(out)
-    rows = summarise(runs)
-    plots = _plot(runs, out)
-    header = list(rows[0])
-    lines = [
-        "# Baseline vs TREAD at equal wall-clock",
-        "",
-        f"Command: `python examples/compare.py {' '.join(_saved_argv(out))}`; budget {budget} s "
-        "per arm and seed; the baseline runs `--routes none`, TREAD `--tread-routes`; "
-        "both arms of a seed run concurrently, one thread each. Validation loss: EMA model, "
-        "eval mode (no routing), fixed held-out (x0, t, noise). Mean ± std over seeds.",
-        "",
-        "| " + " | ".join(header) + " |",
-        "|" + "---|" * len(header),
-        *("| " + " | ".join(str(row[h]) for h in header) + " |" for row in rows),
-        *_per_seed_table(runs),
-        "",
-        *(f"![{p}]({p})" for p in plots),
-        "",
-    ]
-    report = out / "report.md"
-    report.write_text("\n".join(lines))
-    (out / "summary.json").write_text(json.dumps({"args": train_args, "rows": rows}, indent=1))
-    return report
-
-
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     split = argv.index("--") if "--" in argv else len(argv)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--budget", type=float, default=600.0, help="seconds per arm and seed")
+    parser.add_argument(
+        "--baseline-steps",
+        type=int,
+        help="instead of --budget: the baseline trains this many steps, TREAD as long as it",
+    )
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--fid-samples", type=int, default=1000)
     parser.add_argument("--tread-routes", default="auto", help="--routes of the TREAD arm")
+    parser.add_argument(
+        "--curve-fid",
+        type=int,
+        default=0,
+        help="after training: FID/KID of this many samples at every checkpoint (fid_curve.py)",
+    )
+    parser.add_argument("--curve-sample-steps", type=int, help="sampler steps for --curve-fid")
     parser.add_argument("--report-only", action="store_true")
     return parser.parse_args(argv[:split]), argv[split + 1 :]
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the comparison (or only rebuild the report from a finished one) and print it."""
-    args, train_args = _parse(sys.argv[1:] if argv is None else argv)
+    command = sys.argv[1:] if argv is None else argv
+    args, train_args = _parse(command)
     if args.report_only:
-        saved = _saved_argv(args.out)
-        if saved:
+        curve, out = (args.curve_fid, args.curve_sample_steps), args.out
+        saved = _saved_argv(out)
+        if saved:  # the run's settings, in this folder (it may have been moved)
+            command = saved
             args, train_args = _parse(saved)
+            args.out = out
+        if curve[0]:  # evaluate checkpoints not evaluated yet, then report
+            curve_fids(args.out, args.seeds, *curve)
     else:
         args.out.mkdir(parents=True, exist_ok=True)
-        command = sys.argv[1:] if argv is None else argv
         (args.out / "command.json").write_text(json.dumps({"argv": command}))
         for seed in args.seeds:
-            run_pair(args.out, seed, args.budget, train_args, args.fid_samples, args.tread_routes)
-    print(write_report(args.out, train_args, args.budget).read_text())
+            run_pair(
+                args.out, seed, args.budget, train_args, args.fid_samples, args.tread_routes,
+                args.baseline_steps,
+            )  # fmt: skip
+        if args.curve_fid:
+            curve_fids(args.out, args.seeds, args.curve_fid, args.curve_sample_steps)
+    limit = (
+        f"the baseline trains {args.baseline_steps} steps, TREAD as long as the baseline runs"
+        if args.baseline_steps
+        else f"budget {args.budget} s per arm and seed"
+    )
+    print(write_report(args.out, command, train_args, limit).read_text())
     return 0
 
 

@@ -157,16 +157,9 @@ def load_data(args: argparse.Namespace, device: torch.device, objective) -> tupl
     return data, num_classes
 
 
-def build_routed_model(
-    args: argparse.Namespace, shape: tuple[int, ...], num_classes: int, device: torch.device
-) -> tuple[nn.Module, list[tuple[int, int]]]:
-    """Builds the model with seed ``args.seed`` and routes it as ``--routes`` asks.
-
-    Returns:
-        ``(core, routes)``: the (routed) model and the parsed routes.
-    """
-    torch.manual_seed(args.seed)  # identical initial weights on every rank
-    core = build_model(
+def build_core(args: argparse.Namespace, shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    """The unrouted model that ``args`` describes, for images of ``shape`` (C, H, W)."""
+    return build_model(
         args.model,
         depth=args.depth,
         hidden_size=args.width,
@@ -177,7 +170,19 @@ def build_routed_model(
         num_classes=num_classes,
         learn_sigma=args.learn_sigma,
         class_dropout_prob=args.label_drop,
-    ).to(device)
+    )
+
+
+def build_routed_model(
+    args: argparse.Namespace, shape: tuple[int, ...], num_classes: int, device: torch.device
+) -> tuple[nn.Module, list[tuple[int, int]]]:
+    """Builds the model with seed ``args.seed`` and routes it as ``--routes`` asks.
+
+    Returns:
+        ``(core, routes)``: the (routed) model and the parsed routes.
+    """
+    torch.manual_seed(args.seed)  # identical initial weights on every rank
+    core = build_core(args, shape, num_classes).to(device)
     routes = parse_routes(args.routes, num_blocks(core))
     if routes:
         import tread_fx
@@ -308,7 +313,9 @@ def train_step(run: Run) -> tuple[float, bool]:
         loss = training_loss(
             args, run.objective, run.model, run.core, x0, y, run.gen, bool(run.routes)
         )
-    over = args.time_budget is not None and run.train_time >= args.time_budget
+    over = (args.time_budget is not None and run.train_time >= args.time_budget) or bool(
+        args.stop_file and os.path.exists(args.stop_file)
+    )
     mean_loss, flag = tu.all_reduce_floats([loss.item(), float(over)], run.device, run.world)
     mean_loss /= run.world
     if not math.isfinite(mean_loss):

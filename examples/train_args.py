@@ -99,6 +99,7 @@ def make_parser() -> argparse.ArgumentParser:
     a("--sample-steps", type=int, default=32), a("--num-samples", type=int, default=100)
     a("--steps", type=int, default=600, help="total optimizer steps")
     a("--time-budget", type=float, help="stop after this many training seconds")
+    a("--stop-file", help="stop (and save) at the next step once this file exists")
     a("--bf16", action="store_true", help="bfloat16 autocast")
     a("--compile", action="store_true", help="torch.compile the (routed) model")
     a("--seed", type=int, default=0), a("--device", help="default: cuda if available")
