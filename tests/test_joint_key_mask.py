@@ -98,8 +98,12 @@ def test_explain_names_the_rule():
 
 @pytest.mark.parametrize(
     "check",
-    [check_eval_is_bitwise_unrouted, check_rate_zero_equals_training,
-     check_routed_shape_count_and_change, check_gradients],  # fmt: skip
+    [
+        check_eval_is_bitwise_unrouted,
+        check_rate_zero_equals_training,
+        check_routed_shape_count_and_change,
+        check_gradients,
+    ],  # fmt: skip
 )
 def test_invariants(check):
     check(CASE)
