@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import sys
 import types
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -315,6 +316,33 @@ def _check_unwrapped(model: Any) -> None:
             f"route() was given a {name} wrapper; route the model first, then wrap it "
             f"(route -> DDP/FSDP/torch.compile). To route this one, pass {wrappers[name]}."
         )
+    sharded = _fully_sharded(model)
+    if sharded is not None:
+        what = f"a {name} whose submodule {sharded!r} is" if sharded else f"a {name}"
+        raise WrappedModelError(
+            f"route() was given {what} already sharded by FSDP2's fully_shard; route first, "
+            "then shard: tread_fx.route(model, ...), then fully_shard(block) for each block and "
+            "fully_shard(model), then torch.compile. "
+            "Build the model again (or load its unsharded state_dict) and route that."
+        )
+    if getattr(model, "_compiled_call_impl", None) is not None:
+        raise WrappedModelError(
+            f"route() was given a {name} on which model.compile() was already called; route "
+            "first, then compile: tread_fx.route(model, ...), then model.compile() (or "
+            "route(..., compile=True), which compiles the routed graph)."
+        )
+
+
+def _fully_sharded(model: nn.Module) -> str | None:
+    """The path of the first module FSDP2's ``fully_shard`` was applied to (``""``: the model)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # nothing is sharded before it is imported
+    fsdp_module = getattr(fsdp, "FSDPModule", None)
+    if fsdp_module is None:
+        return None
+    for path, module in model.named_modules():
+        if isinstance(module, fsdp_module):
+            return path
+    return None
 
 
 def route(
