@@ -2,10 +2,12 @@
 
 Two CPU processes (gloo) train a routed tread_fx DiT and a routed diffusers Flux for a few
 steps on halves of a global batch; one process trains the same models on the whole batch.
-Losses and parameters must agree to float tolerance. The token selection is the same in both
-runs: ``share_selection=True`` (one subset per step for the whole batch) drawn from the global
-RNG, seeded identically on every rank before each step. Run as a script, this file is one
-rank's worker.
+Losses and parameters must agree to float tolerance. Activation checkpointing is on in the
+sharded runs, in both forms: the composable ``checkpoint`` (``sharding.shard``) and, in the
+units accelerate's FSDP2 makes (final norm included), its ``checkpoint_wrapper`` per block.
+The token selection is the same in both runs: ``share_selection=True`` (one subset per step
+for the whole batch) drawn from the global RNG, seeded identically on every rank before each
+step. Run as a script, this file is one rank's worker.
 """
 
 from __future__ import annotations
@@ -69,7 +71,34 @@ def _flux_inputs(gen: torch.Generator) -> tuple[tuple, dict]:
 CASES = {  # factory, inputs, routes, output shape per sample
     "dit": (_dit, _dit_inputs, [(1, 3)], (2, 8, 8)),
     "flux": (_flux, _flux_inputs, [(1, 3)], (16, 4)),
+    "flux-accelerate": (_flux, _flux_inputs, [(1, 3)], (16, 4)),  # as accelerate shards it
 }
+
+
+def _checkpoint_wrap_blocks(model: torch.nn.Module) -> None:
+    """Activation checkpointing as accelerate's FSDP2 applies it: wrapper modules per block."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for blocks in (model.transformer_blocks, model.single_transformer_blocks):
+        for i, block in enumerate(blocks):
+            blocks[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+
+
+def _inner(block: torch.nn.Module) -> torch.nn.Module:
+    return getattr(block, "_checkpoint_wrapped_module", block)
+
+
+def _shard_like_accelerate(model: torch.nn.Module) -> None:
+    """accelerate's FSDP2 preparation: ``checkpoint_wrapper`` per block, ``fully_shard`` per
+    block, the final norm as a unit of its own (a module the routed graph does not call as a
+    block: its hooks must still run), then the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    _checkpoint_wrap_blocks(model)
+    for block in sharding.block_modules(model):
+        fully_shard(_inner(block))
+    fully_shard([model.norm_out], reshard_after_forward=False)
+    fully_shard(model)
 
 
 def _shard_of(value, rank: int, world: int):
@@ -91,14 +120,23 @@ def train_case(name: str, rank: int, world: int) -> dict:
     model = make()
     randomize_zero_init(model)
     tread_fx.route(model, routes=routes, rate=0.5, share_selection=True)
-    result: dict = {"losses": []}
+    result: dict = {"losses": [], "calls": 0}
     if world > 1:
-        sharding.shard(model, checkpointing=True)
+        if name.endswith("-accelerate"):
+            _shard_like_accelerate(model)
+        else:
+            sharding.shard(model, checkpointing=True)
         try:
             tread_fx.route(model, routes=routes, reroute=True)
         except tread_fx.WrappedModelError as err:
             result["refusal"] = str(err)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    routed_block = _inner(sharding.block_modules(model)[1])  # inside route (1, 3)
+
+    def count(*_):
+        result["calls"] += 1
+
+    routed_block.register_forward_pre_hook(count)
     model.train()
     for step in range(STEPS):
         args, kwargs = inputs(torch.Generator().manual_seed(10 + step))
@@ -116,7 +154,11 @@ def train_case(name: str, rank: int, world: int) -> dict:
             torch.distributed.all_reduce(mean)
         result["losses"].append(float(mean) / world)
     result["params"] = {
-        k: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        k.replace("._checkpoint_wrapped_module", ""): (
+            p.full_tensor() if hasattr(p, "full_tensor") else p
+        )
+        .detach()
+        .clone()
         for k, p in model.named_parameters()
     }
     return result
@@ -150,20 +192,40 @@ def test_two_fsdp2_processes_match_one_process_on_the_global_batch(tmp_path):
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for r in range(2)
     ]  # fmt: skip
-    reference = {name: train_case(name, 0, 1) for name in CASES}  # meanwhile, one process
+    reference = {name: train_case(name, 0, 1) for name in ("dit", "flux")}  # meanwhile
+    reference["flux-accelerate"] = reference["flux"]
     deadline = time.monotonic() + 150
     logs = [p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
     sharded = torch.load(out, weights_only=True)
-    for name, ref in reference.items():
-        got = sharded[name]
+    for name, got in sharded.items():
+        ref = reference[name]
         assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5), name
         assert ref["losses"][0] > 0 and ref["losses"][-1] != ref["losses"][0], name
         assert got["params"].keys() == ref["params"].keys()
         for key, value in ref["params"].items():
             torch.testing.assert_close(got["params"][key], value, atol=1e-5, rtol=1e-4, msg=key)
+        # trace + steps, and with activation checkpointing one recomputation per step
+        assert (ref["calls"], got["calls"]) == (1 + STEPS, 1 + 2 * STEPS), name
         # route() after fully_shard is refused, naming the order to use
         assert "already sharded by FSDP2's fully_shard; route first" in got["refusal"]
+
+
+def test_a_module_hooked_after_the_trace_is_called_by_the_routed_graph():
+    """A unit's hooks (FSDP2 gathers parameters in one) run in routed training, also when the
+    hook came after the first trace: the trace is redone with the module as one call."""
+    model = _dit()
+    tread_fx.route(model, routes=[(1, 3)], rate=0.5)
+    (x, t, y), _ = _dit_inputs(torch.Generator().manual_seed(0))
+    model.train()(x, t, y)  # traced: final_layer inlined
+    calls = []
+    model.final_layer.register_forward_pre_hook(lambda *_: calls.append(1))
+    model(x, t, y)  # traced again (the trace runs the hook too), then run
+    calls.clear()
+    model(x, t, y)
+    assert calls == [1] and len(tread_fx.routed_graphs(model)) == 2
+    graph = tread_fx.routed_graphs(model)[-1].gm.graph
+    assert any(n.op == "call_module" and n.target == "model.final_layer" for n in graph.nodes)
 
 
 def test_block_modules_finds_joint_and_single_blocks():

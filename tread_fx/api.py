@@ -39,6 +39,7 @@ from tread_fx.errors import (
     WrappedModelError,
 )
 from tread_fx.passes.rewrite import Reinsert
+from tread_fx.passes.trace_support import has_call_hooks
 from tread_fx.pipeline import Built, build
 from tread_fx.routes import Route
 from tread_fx.runtime.guards import GUARD_MARK
@@ -225,7 +226,8 @@ def _signature(model: nn.Module, spec: pytree.TreeSpec, flat: list) -> tuple:
         (tuple(v.shape), v.dtype, v.device) if isinstance(v, torch.Tensor) else _hashable(v)
         for v in flat
     )
-    modes = tuple(m.training for m in model.modules())
+    # a module that gains hooks after a trace (fully_shard) must be called, not inlined: re-trace
+    modes = tuple((m.training, has_call_hooks(m)) for m in model.modules())
     autocast = tuple(
         (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
     )
