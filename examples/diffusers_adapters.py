@@ -45,7 +45,8 @@ from torch import nn
 from tread_fx.errors import TreadFxError
 
 __all__ = ["Adapter", "Conditioning", "ModelError", "build_model", "load_conditioning"]
-__all__ += ["make_adapter", "pick_family", "standin_conditioning", "FAMILIES"]
+__all__ += ["check_shapes", "make_adapter", "pick_family", "standin_conditioning", "text_widths"]
+__all__ += ["FAMILIES"]
 
 FAMILIES = {  # family -> (how it is recognised, the classes it was tested with)
     "packed": ("forward takes img_ids and txt_ids", "FluxTransformer2DModel"),

@@ -174,7 +174,7 @@ def make_accelerator(args: argparse.Namespace):
 
     if args.threads or (os.cpu_count() or 1) <= 2:
         torch.set_num_threads(args.threads or 1)  # two threads on two busy cores collapse
-    cpu = args.cpu or torch.accelerator.current_accelerator() is None
+    cpu = args.cpu or not torch.accelerator.is_available()
     return Accelerator(
         mixed_precision=args.mixed_precision, gradient_accumulation_steps=args.grad_accum, cpu=cpu
     )
