@@ -39,6 +39,7 @@ from tread_fx.errors import (
     WrappedModelError,
 )
 from tread_fx.passes.rewrite import Reinsert
+from tread_fx.passes.trace import MODEL_PREFIX
 from tread_fx.passes.trace_support import has_call_hooks
 from tread_fx.pipeline import Built, build
 from tread_fx.routes import Route
@@ -91,6 +92,7 @@ class _Entry:
     built: Built
     fn: Callable
     noise_shapes: list[tuple[int, ...]]
+    inlined: tuple[nn.Module, ...] = ()
     checked: bool = False
 
 
@@ -143,6 +145,8 @@ class _RoutingState:
         flat, spec = pytree.tree_flatten((args, kwargs))
         key = (_signature(model, spec, flat), None if config is self.config else repr(config))
         entry = self.entries.get(key)
+        if entry is not None and any(has_call_hooks(m) for m in entry.inlined):
+            entry = None  # hooks came after the trace (fully_shard): trace again, calling it
         if entry is None:
             entry = self.entries[key] = self._build(model, args, kwargs, config)
             while len(self.entries) > _MAX_TRACES:
@@ -206,7 +210,21 @@ class _RoutingState:
         if self.compile:
             options = self.compile if isinstance(self.compile, dict) else {}
             fn = torch.compile(fn, **{"fullgraph": True, "dynamic": False, **options})
-        return _Entry(built, fn, [(p.layout.batch_size, p.units) for p in built.plans])
+        noise_shapes = [(p.layout.batch_size, p.units) for p in built.plans]
+        return _Entry(built, fn, noise_shapes, _inlined_modules(model, built.gm))
+
+
+def _inlined_modules(model: nn.Module, gm: torch.fx.GraphModule) -> tuple[nn.Module, ...]:
+    """Submodules without hooks whose code the graph holds inlined (or never calls): should one
+    gain hooks (``fully_shard``), the graph would skip them, so the model is traced again."""
+    called = [n.target + "." for n in gm.graph.nodes if n.op in ("call_module", "get_attr")]
+    return tuple(
+        module
+        for path, module in model.named_modules()
+        if path
+        and not has_call_hooks(module)
+        and not any(f"{MODEL_PREFIX}{path}.".startswith(c) for c in called)
+    )
 
 
 class _TracedValueChanged(Exception):
@@ -226,8 +244,7 @@ def _signature(model: nn.Module, spec: pytree.TreeSpec, flat: list) -> tuple:
         (tuple(v.shape), v.dtype, v.device) if isinstance(v, torch.Tensor) else _hashable(v)
         for v in flat
     )
-    # a module that gains hooks after a trace (fully_shard) must be called, not inlined: re-trace
-    modes = tuple((m.training, has_call_hooks(m)) for m in model.modules())
+    modes = tuple(m.training for m in model.modules())
     autocast = tuple(
         (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
     )
