@@ -237,7 +237,7 @@ def save(run: Run) -> Path:
             save_file({k: v.contiguous() for k, v in run.ema.state_dict().items()},
                       str(path / "ema.safetensors"))  # fmt: skip
         meta = {"step": run.step, "train_time": run.train_time, "args": vars(run.args),
-                "model_class": type(run.core).__name__.removeprefix("FSDP"),
+                "model_class": _class_name(run.core),
                 "config": _config(run.core), "world_size": run.acc.num_processes}  # fmt: skip
         (path / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
         (root / "latest").write_text(path.name)
@@ -246,6 +246,11 @@ def save(run: Run) -> Path:
                 shutil.rmtree(old, ignore_errors=True)
     run.acc.wait_for_everyone()
     return path
+
+
+def _class_name(model: nn.Module) -> str:
+    """The diffusers class of ``model`` (FSDP2 makes its class ``FSDP<name>``)."""
+    return next(c.__name__ for c in type(model).__mro__ if c.__module__.startswith("diffusers."))
 
 
 def _config(model: nn.Module) -> dict:
@@ -378,7 +383,7 @@ def prepare_output(run: Run) -> None:
     n_params = sum(p.numel() for p in run.core.parameters())
     kind = str(acc.distributed_type).split(".")[-1]
     run.say(
-        f"{type(run.core).__name__.removeprefix('FSDP')} ({run.adapter.family} inputs): "
+        f"{_class_name(run.core)} ({run.adapter.family} inputs): "
         f"{n_params / 1e6:.2f}M params, routes {run.routes or 'none'} rate "
         f"{args.rate if run.routes else 0}; data {args.data} {tuple(run.data['train_x'].shape)}; "
         f"text {run.adapter.cond.source}; {acc.num_processes} process(es) ({kind}) on "
@@ -418,6 +423,9 @@ def save_model(run: Run) -> Path:
 
         path.mkdir(parents=True, exist_ok=True)
         run.core.save_config(str(path))
+        config = json.loads((path / "config.json").read_text())  # fully_shard renamed the class
+        config["_class_name"] = _class_name(run.core)
+        (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
         tensors = {k: v.detach().cpu().contiguous() for k, v in state.items()}
         save_file(tensors, str(path / "diffusion_pytorch_model.safetensors"))
     return path

@@ -116,6 +116,54 @@ def test_two_cpu_processes_under_torchrun_train_in_sync(tmp_path):
     assert len(sync) == 1 and sync[0]["ok"] is True and sync[0]["world_size"] == 2
 
 
+def _fsdp_on_cpu_main() -> int:
+    """``train_diffusers.main`` with accelerate switched to FSDP2 after it joined torchrun's
+    CPU process group. accelerate itself keeps CPU runs on DDP; the switch sets its private
+    shared state, so this may need updating with accelerate."""
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    make = td.make_accelerator
+
+    def make_fsdp(args):
+        acc = make(args)
+        plugin = FullyShardedDataParallelPlugin(
+            fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+            activation_checkpointing=True, state_dict_type="FULL_STATE_DICT",
+        )  # fmt: skip
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+        AcceleratorState._shared_state["distributed_type"] = DistributedType.FSDP
+        AcceleratorState._shared_state["fsdp_plugin"] = plugin
+        return acc
+
+    td.make_accelerator = make_fsdp
+    return td.main(sys.argv[1:])
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed missing")
+def test_accelerates_fsdp2_preparation_trains_saves_and_samples_on_two_cpu_processes(tmp_path):
+    """What ``accelerate launch`` with configs/accelerate_fsdp2.yaml does on GPUs: blocks and the
+    final norm sharded, checkpoint_wrapper per block, EMA off, every rank evaluates/samples."""
+    out = tmp_path / "fsdp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+           f"--master_port={_free_port()}", __file__, "--config",
+           str(CONFIGS / "tiny_flux.json"), *FAST, "--steps", "3", "--save-every", "2",
+           "--out", str(out)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "2 process(es) (FSDP)" in proc.stdout
+    records = _records(out)
+    assert [r["step"] for r in records] == [3]  # the main process logs, once
+    assert all(math.isfinite(r["train_loss"]) and r["val_loss_ema"] is None for r in records)
+    for step in ("step_0000002", "step_0000003"):
+        assert (out / "checkpoints" / step / "pytorch_model_fsdp.bin").is_file()
+    saved = da.build_model(None, pretrained=str(out / "transformer"))  # gathered, unrouted
+    fresh = da.build_model(None, str(CONFIGS / "tiny_flux.json"))
+    assert saved.state_dict().keys() == fresh.state_dict().keys()
+    assert (out / "samples.png").is_file()
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -170,3 +218,7 @@ def test_text_embeddings_from_a_file(tmp_path):
         da.load_conditioning(path, 7, 32, 32)
     with pytest.raises(da.ModelError, match=r"needs prompt_embeds .*64\], shape \[10, 4, 32\]"):
         da.load_conditioning(path, 10, 64, None)
+
+
+if __name__ == "__main__":
+    sys.exit(_fsdp_on_cpu_main())
