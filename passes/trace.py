@@ -53,6 +53,7 @@ from tread_fx.passes.trace_support import (
     DataDependentError,
     checkpoint_as_plain_call,
     factories_take_proxies,
+    has_call_hooks,
     name_placeholders,
     python_modules,
     refuse_python_random,
@@ -363,6 +364,8 @@ class ValueTracer(fx.Tracer):
     # -- modules ----------------------------------------------------------------------------
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if module_qualified_name in self.leaf_paths or isinstance(m, leaf_modules()):
+            return True
+        if has_call_hooks(m):  # FSDP2 units, checkpoint hooks: called, so the hooks still run
             return True
         return super().is_leaf_module(m, module_qualified_name)
 

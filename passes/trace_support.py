@@ -41,6 +41,7 @@ __all__ = [
     "module_namespaces",
     "report_grad_mode",
     "factories_take_proxies",
+    "has_call_hooks",
     "name_placeholders",
     "side_effect_error",
     "traceback_location",
@@ -259,4 +260,19 @@ def untraceable_error(model: nn.Module, err: DataDependentError) -> UntraceableM
         "cannot record there, cannot be routed safely. Move that code into a submodule and "
         "register it with "
         "tread_fx.register_leaf_module (or the function with tread_fx.register_leaf_function)."
+    )
+
+
+def has_call_hooks(module: nn.Module) -> bool:
+    """Whether ``module`` has hooks that only its ``__call__`` runs (forward or backward).
+
+    Such a module is traced as one call instead of being inlined: FSDP2's ``fully_shard``
+    gathers a unit's parameters in a forward pre-hook, so an inlined unit (say a final norm that
+    accelerate shards on its own) would compute with its sharded parameters.
+    """
+    return bool(
+        module._forward_pre_hooks
+        or module._forward_hooks
+        or module._backward_pre_hooks
+        or module._backward_hooks
     )

@@ -128,6 +128,13 @@ def test_wrapped_models_are_refused_with_the_unwrapping_hint():
         tread_fx.route("model", routes=[(1, 3)])
 
 
+def test_a_model_compiled_in_place_is_refused_naming_the_order():
+    model = tiny_dit()
+    model.compile()  # lazy: nothing is compiled until the first call
+    with pytest.raises(errors.WrappedModelError, match=r"model.compile\(\) was already called"):
+        _route([(1, 3)], model=model)
+
+
 def test_routing_twice_needs_reroute():
     model = _route([(1, 3)])
     with pytest.raises(errors.AlreadyRoutedError, match="reroute=True"):

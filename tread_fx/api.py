@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import sys
 import types
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -38,6 +39,8 @@ from tread_fx.errors import (
     WrappedModelError,
 )
 from tread_fx.passes.rewrite import Reinsert
+from tread_fx.passes.trace import MODEL_PREFIX
+from tread_fx.passes.trace_support import has_call_hooks
 from tread_fx.pipeline import Built, build
 from tread_fx.routes import Route
 from tread_fx.runtime.guards import GUARD_MARK
@@ -89,6 +92,7 @@ class _Entry:
     built: Built
     fn: Callable
     noise_shapes: list[tuple[int, ...]]
+    inlined: tuple[nn.Module, ...] = ()
     checked: bool = False
 
 
@@ -141,6 +145,8 @@ class _RoutingState:
         flat, spec = pytree.tree_flatten((args, kwargs))
         key = (_signature(model, spec, flat), None if config is self.config else repr(config))
         entry = self.entries.get(key)
+        if entry is not None and any(has_call_hooks(m) for m in entry.inlined):
+            entry = None  # hooks came after the trace (fully_shard): trace again, calling it
         if entry is None:
             entry = self.entries[key] = self._build(model, args, kwargs, config)
             while len(self.entries) > _MAX_TRACES:
@@ -204,7 +210,21 @@ class _RoutingState:
         if self.compile:
             options = self.compile if isinstance(self.compile, dict) else {}
             fn = torch.compile(fn, **{"fullgraph": True, "dynamic": False, **options})
-        return _Entry(built, fn, [(p.layout.batch_size, p.units) for p in built.plans])
+        noise_shapes = [(p.layout.batch_size, p.units) for p in built.plans]
+        return _Entry(built, fn, noise_shapes, _inlined_modules(model, built.gm))
+
+
+def _inlined_modules(model: nn.Module, gm: torch.fx.GraphModule) -> tuple[nn.Module, ...]:
+    """Submodules without hooks whose code the graph holds inlined (or never calls): should one
+    gain hooks (``fully_shard``), the graph would skip them, so the model is traced again."""
+    called = [n.target + "." for n in gm.graph.nodes if n.op in ("call_module", "get_attr")]
+    return tuple(
+        module
+        for path, module in model.named_modules()
+        if path
+        and not has_call_hooks(module)
+        and not any(f"{MODEL_PREFIX}{path}.".startswith(c) for c in called)
+    )
 
 
 class _TracedValueChanged(Exception):
@@ -315,6 +335,33 @@ def _check_unwrapped(model: Any) -> None:
             f"route() was given a {name} wrapper; route the model first, then wrap it "
             f"(route -> DDP/FSDP/torch.compile). To route this one, pass {wrappers[name]}."
         )
+    sharded = _fully_sharded(model)
+    if sharded is not None:
+        what = f"a {name} whose submodule {sharded!r} is" if sharded else f"a {name}"
+        raise WrappedModelError(
+            f"route() was given {what} already sharded by FSDP2's fully_shard; route first, "
+            "then shard: tread_fx.route(model, ...), then fully_shard(block) for each block and "
+            "fully_shard(model), then torch.compile. "
+            "Build the model again (or load its unsharded state_dict) and route that."
+        )
+    if getattr(model, "_compiled_call_impl", None) is not None:
+        raise WrappedModelError(
+            f"route() was given a {name} on which model.compile() was already called; route "
+            "first, then compile: tread_fx.route(model, ...), then model.compile() (or "
+            "route(..., compile=True), which compiles the routed graph)."
+        )
+
+
+def _fully_sharded(model: nn.Module) -> str | None:
+    """The path of the first module FSDP2's ``fully_shard`` was applied to (``""``: the model)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # nothing is sharded before it is imported
+    fsdp_module = getattr(fsdp, "FSDPModule", None)
+    if fsdp_module is None:
+        return None
+    for path, module in model.named_modules():
+        if isinstance(module, fsdp_module):
+            return path
+    return None
 
 
 def route(
