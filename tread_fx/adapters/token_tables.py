@@ -165,13 +165,17 @@ def _rows_with_extra(node: fx.Node, shape: tuple, dims: list[int], n: int) -> Ro
 
 def _cat_parts(node: fx.Node, rows: int, n: int) -> tuple[int, int] | None:
     """Search ``node``'s ancestors for a cat of ``rows`` rows with one part of ``n`` rows."""
+    return _first_split(node, lambda c: c.target in _CAT and _split_of(c, rows, n))
+
+
+def _first_split(node: fx.Node, split) -> tuple[int, int] | None:
+    """The first ``split(ancestor)`` result (breadth first) for a call_function ancestor."""
     seen, todo = {node}, [node]
     while todo and len(seen) < _SEARCH_LIMIT:
         current = todo.pop(0)
-        if current.op == "call_function" and current.target in _CAT:
-            found = _split_of(current, rows, n)
-            if found is not None:
-                return found
+        found = split(current) if current.op == "call_function" else None
+        if found:
+            return found
         for arg in current.all_input_nodes:
             if arg not in seen:
                 seen.add(arg)
@@ -202,18 +206,7 @@ def _split_of(cat: fx.Node, rows: int, n: int) -> tuple[int, int] | None:
 
 def _sum_parts(node: fx.Node, rows: int, n: int) -> tuple[int, int] | None:
     """Search ``node``'s ancestors for a traced ``a + b == rows`` of lengths, one of ``n``."""
-    seen, todo = {node}, [node]
-    while todo and len(seen) < _SEARCH_LIMIT:
-        current = todo.pop(0)
-        if current.op == "call_function" and current.target is operator.add:
-            found = _split_of_sum(current, rows, n)
-            if found is not None:
-                return found
-        for arg in current.all_input_nodes:
-            if arg not in seen:
-                seen.add(arg)
-                todo.append(arg)
-    return None
+    return _first_split(node, lambda c: c.target is operator.add and _split_of_sum(c, rows, n))
 
 
 def _split_of_sum(add: fx.Node, rows: int, n: int) -> tuple[int, int] | None:
