@@ -460,23 +460,31 @@ def train(args: argparse.Namespace) -> dict:
     return summary
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Command-line entry point; returns the exit code."""
-    args = make_parser().parse_args(argv)
+def run_cli(train_fn: Callable[[argparse.Namespace], dict], args, name: str) -> int:
+    """Runs ``train_fn(args)`` for a command line; returns the exit code.
+
+    Bad arguments or data print one line and give 2, a diverged run 1; the thread count and
+    the process group are restored/destroyed either way (``main()`` may run in-process).
+    """
     threads = torch.get_num_threads()
     try:
-        train(args)
+        train_fn(args)
     except (UsageError, data_lib.DataError, TreadFxError) as err:
-        print(f"train.py: error: {err}", file=sys.stderr)
+        print(f"{name}: error: {err}", file=sys.stderr)
         return 2
     except TrainingError as err:
-        print(f"train.py: error: {err}", file=sys.stderr)
+        print(f"{name}: error: {err}", file=sys.stderr)
         return 1
     finally:
-        torch.set_num_threads(threads)  # main() may run in-process (tests, notebooks)
+        torch.set_num_threads(threads)
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point; returns the exit code."""
+    return run_cli(train, make_parser().parse_args(argv), "train.py")
 
 
 if __name__ == "__main__":

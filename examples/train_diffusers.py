@@ -44,10 +44,8 @@ import data as data_lib  # noqa: E402
 import diffusers_adapters as da  # noqa: E402
 import diffusion  # noqa: E402
 import train_utils as tu  # noqa: E402
-from train import TrainingError, load_data  # noqa: E402
+from train import TrainingError, load_data, run_cli  # noqa: E402
 from train_args import UsageError  # noqa: E402
-
-from tread_fx.errors import TreadFxError  # noqa: E402
 
 __all__ = ["Run", "make_parser", "parse_routes", "setup", "train", "main"]
 
@@ -457,21 +455,7 @@ def train(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; returns the exit code."""
-    args = make_parser().parse_args(argv)
-    threads = torch.get_num_threads()
-    try:
-        train(args)
-    except (UsageError, data_lib.DataError, TreadFxError) as err:
-        print(f"train_diffusers.py: error: {err}", file=sys.stderr)
-        return 2
-    except TrainingError as err:
-        print(f"train_diffusers.py: error: {err}", file=sys.stderr)
-        return 1
-    finally:
-        torch.set_num_threads(threads)  # main() may run in-process (tests, notebooks)
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-    return 0
+    return run_cli(train, make_parser().parse_args(argv), "train_diffusers.py")
 
 
 if __name__ == "__main__":
