@@ -41,10 +41,17 @@ def _records(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("name", ["flux", "sd3", "pixart"])
-def test_a_tiny_routed_model_trains_and_writes_samples(name, tmp_path):
+@pytest.mark.parametrize(
+    "name, extra",
+    [
+        ("flux", []),
+        ("sd3", ["--gradient-checkpointing"]),
+        ("pixart", ["--mixed-precision", "bf16"]),
+    ],
+)
+def test_a_tiny_routed_model_trains_and_writes_samples(name, extra, tmp_path):
     out = tmp_path / name
-    argv = ["--config", str(CONFIGS / f"tiny_{name}.json"), *FAST, "--steps", "10"]
+    argv = ["--config", str(CONFIGS / f"tiny_{name}.json"), *FAST, *extra, "--steps", "10"]
     assert td.main([*argv, "--log-every", "5", "--eval-every", "10", "--out", str(out)]) == 0
     records = _records(out)
     assert [r["step"] for r in records] == [5, 10]
