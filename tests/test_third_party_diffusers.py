@@ -303,8 +303,9 @@ def test_cogvideox_text_sliced_off_the_joint_embedding_is_not_routed():
     check_routed_shape_count_and_change(case)
 
 
-def test_a_mask_whose_token_rows_cannot_be_found_is_refused_with_the_reason():
-    # HunyuanVideo hands its blocks a [B, 1, 1, N + T] mask built without a concatenation
+def test_a_joint_key_mask_sized_by_a_sum_of_lengths_routes():
+    # HunyuanVideo hands its blocks a [B, 1, 1, N + T] mask built without a concatenation:
+    # torch.ones(B, image_len + text_len); the traced sum ties its first N rows to the stream
     def make():
         return diffusers.HunyuanVideoTransformer3DModel(
             in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=16,
@@ -325,6 +326,9 @@ def test_a_mask_whose_token_rows_cannot_be_found_is_refused_with_the_reason():
         return (latents,), kwargs
 
     case = Case("hunyuan-video", make, inputs)
-    model = case.route(case.model())
-    with pytest.raises(tread_fx.errors.SideInputError, match=r"attention_mask.*declined"):
-        train_forward(model, case)
+    check_eval_is_bitwise_unrouted(case)
+    check_rate_zero_equals_training(case)
+    check_routed_shape_count_and_change(case)
+    check_gradients(case)
+    exp = str(tread_fx.explain(case.model(), case.routes, 0.5, inputs()))
+    assert "adapter 'attention-mask'" in exp
