@@ -59,6 +59,7 @@ from tread_fx.passes.trace_support import (
     refuse_python_random,
     report_grad_mode,
     side_effect_error,
+    store_object_constant,
     traceback_location,
     untraceable_error,
     user_frame,
@@ -337,8 +338,19 @@ class ValueTracer(fx.Tracer):
         return proxy
 
     def create_arg(self, a: Any) -> Any:
-        """Give ``get_attr`` nodes that fx makes for tensor attributes their value and meta."""
-        arg = super().create_arg(a)
+        """Give ``get_attr`` nodes that fx makes for tensor attributes their value and meta.
+
+        An object fx has no argument type for (a cache the forward hands its blocks) becomes
+        a constant of this trace, like the non-tensor inputs it came from (see
+        :func:`store_object_constant`).
+        """
+        try:
+            arg = super().create_arg(a)
+        except NotImplementedError:
+            name = store_object_constant(self.root, a)
+            if name is None:
+                raise
+            arg = self.create_node("get_attr", name, (), {})
         if isinstance(arg, fx.Node) and arg.op == "get_attr" and arg not in self.values:
             value = _fetch_attr(self.root, arg.target)
             self.values[arg] = value

@@ -46,6 +46,7 @@ __all__ = [
     "side_effect_error",
     "traceback_location",
     "untraceable_error",
+    "store_object_constant",
 ]
 
 _PYTHON_RANDOM = ("random", "uniform", "randint", "randrange", "choice", "sample", "shuffle")
@@ -276,3 +277,41 @@ def has_call_hooks(module: nn.Module) -> bool:
         or module._backward_pre_hooks
         or module._backward_hooks
     )
+
+
+_OBJECT_PREFIX = "_tread_object_"
+
+
+def store_object_constant(root: nn.Module, obj: Any) -> str | None:
+    """Store a plain Python object on ``root`` for a ``get_attr`` node; return its name.
+
+    fx has no argument type for an instance of a user class (a per-layer key/value cache the
+    forward hands to its blocks). Such an object is a constant of one trace, as the non-tensor
+    model inputs it comes from are: the signature key holds those by identity, so a call with
+    another object traces again instead of running on a stale one.
+
+    Args:
+        root: The module being traced (the call wrapper, never the user's model).
+        obj: The argument fx rejected.
+
+    Returns:
+        The attribute name, or ``None`` when ``obj`` is not a plain object (then fx's own
+        error stands).
+
+    Example:
+        >>> class Cache: ...
+        >>> root, cache = nn.Module(), Cache()
+        >>> store_object_constant(root, cache), store_object_constant(root, cache)
+        ('_tread_object_0', '_tread_object_0')
+    """
+    if isinstance(obj, (nn.Module, torch.Tensor, tuple, list, dict, type)):
+        return None
+    if not hasattr(obj, "__dict__"):
+        return None
+    stored = {k: v for k, v in vars(root).items() if k.startswith(_OBJECT_PREFIX)}
+    for name, value in stored.items():
+        if value is obj:
+            return name
+    name = f"{_OBJECT_PREFIX}{len(stored)}"
+    setattr(root, name, obj)
+    return name
