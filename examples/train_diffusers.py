@@ -40,57 +40,35 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import checkpoint as ckpt  # noqa: E402
-import data as data_lib  # noqa: E402
 import diffusers_adapters as da  # noqa: E402
 import diffusion  # noqa: E402
 import train_utils as tu  # noqa: E402
 from train import TrainingError, load_data, run_cli  # noqa: E402
-from train_args import UsageError  # noqa: E402
+from train_args import Parser, UsageError, add_shared_args  # noqa: E402
 
 __all__ = ["Run", "make_parser", "parse_routes", "setup", "train", "main"]
 
 
 def make_parser() -> argparse.ArgumentParser:
     """The command-line interface."""
-
-    class Parser(argparse.ArgumentParser):
-        def error(self, message: str):  # one line, exit code 2
-            self.exit(2, f"{self.prog}: error: {message}\n")
-
     p = Parser(prog="train_diffusers.py", description=__doc__.split("\n")[0])
+    add_shared_args(
+        p, routes="1:-1", routes_help="none | START:END[,START:END] (half-open, negatives ok)",
+        selection="auto", batch_size=32, steps=300, sample_steps=16,
+        num_samples=40, out="runs/train_diffusers", log_every=25, eval_every=100, save_every=0,
+    )  # fmt: skip
     a = p.add_argument
     a("--model", help="diffusers class name (default: the config's _class_name)")
     a("--config", help="JSON file of constructor arguments: a new, randomly initialised model")
     a("--pretrained", help="local folder (config.json + safetensors, or a pipeline folder)")
-    a("--data", choices=list(data_lib.DATASETS), default="digits")
-    a("--data-dir", help="directory for fashion-mnist (IDX files) or latents (shards)")
-    a("--val-size", type=int, default=256, help="held-out images for the validation loss")
     a("--text-embeds", help="safetensors: prompt_embeds [K(+1), T, D] (+ pooled_prompt_embeds)")
     a("--text-tokens", type=int, default=8, help="tokens of the stand-in text embeddings")
-    a("--routes", default="1:-1", help="none | START:END[,START:END] (half-open, negatives ok)")
-    a("--rate", type=float, default=0.5, help="fraction of tokens routed around")
-    a("--selection", default="auto", help="auto | random | rows (passed to tread_fx.route)")
     a("--gradient-checkpointing", action="store_true", help="diffusers' own, per block")
-    a("--batch-size", type=int, default=32, help="global batch per optimizer step")
     a("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    a("--lr", type=float, default=1e-3, help="AdamW; ~1e-4 or lower to fine-tune real weights")
-    a("--weight-decay", type=float, default=0.0)
-    a("--grad-clip", type=float, default=1.0, help="max grad norm (0: off)")
     a("--ema", type=float, default=0.999, help="EMA decay (0: no EMA; off under FSDP)")
-    a("--label-drop", type=float, default=0.1, help="null text condition for CFG")
-    a("--cfg-scale", type=float, default=2.0, help="guidance scale for samples (1: off)")
     a("--guidance", type=float, default=1.0, help="guidance input of guidance-distilled models")
-    a("--sampler", choices=["euler", "heun"], default="heun")
-    a("--sample-steps", type=int, default=16), a("--num-samples", type=int, default=40)
-    a("--steps", type=int, default=300, help="total optimizer steps")
     a("--mixed-precision", choices=["no", "bf16", "fp16"], help="default: accelerate config")
     a("--cpu", action="store_true", help="force CPU (default when no accelerator is present)")
-    a("--seed", type=int, default=0)
-    a("--threads", type=int, help="torch CPU threads (default: torch's choice; 1 on <= 2 cores)")
-    a("--out", default="runs/train_diffusers"), a("--resume", help="checkpoint or run directory")
-    a("--log-every", type=int, default=25), a("--eval-every", type=int, default=100)
-    a("--save-every", type=int, default=0, help="also save every N steps (0: at the end)")
-    a("--sample-every", type=int, default=0), a("--keep-checkpoints", type=int, default=2)
     return p
 
 
