@@ -46,7 +46,7 @@ __all__ = [
     "output_slots",
 ]
 
-SlotKey = tuple  # ("arg", i) | ("kwarg", name) | (..., j) for one level of nesting
+SlotKey = tuple  # ("arg", i) | ("kwarg", name), then (..., j, ...) into nested tuples
 
 
 @dataclass
@@ -100,11 +100,12 @@ def input_slots(node: fx.Node) -> dict[SlotKey, fx.Node]:
     slots: dict[SlotKey, fx.Node] = {}
     items = [(("arg", i), a) for i, a in enumerate(node.args)]
     items += [(("kwarg", k), a) for k, a in node.kwargs.items()]
-    for key, arg in items:
+    while items:  # nested tuples too: image_rotary_emb=((cos, sin), None)
+        key, arg = items.pop(0)
         if isinstance(arg, fx.Node):
             slots[key] = arg
         elif isinstance(arg, (tuple, list)):
-            slots.update({(*key, j): a for j, a in enumerate(arg) if isinstance(a, fx.Node)})
+            items += [((*key, j), a) for j, a in enumerate(arg)]
     return slots
 
 

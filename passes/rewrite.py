@@ -171,12 +171,19 @@ def rewrite_route(
 
 
 def _set_argument(node: fx.Node, key: tuple, value: Any) -> None:
+    """Put ``value`` into the argument slot ``key`` (see ``input_slots``), nested or not."""
+
+    def replaced(container: Any, path: tuple) -> Any:
+        if not path:
+            return value
+        items = list(container)
+        items[path[0]] = replaced(items[path[0]], path[1:])
+        return type(container)(items)
+
     if key[0] == "arg":
-        args = list(node.args)
-        args[key[1]] = value
-        node.args = tuple(args)
+        node.args = replaced(node.args, key[1:])
     else:
-        node.kwargs = {**node.kwargs, key[1]: value}
+        node.kwargs = {**node.kwargs, key[1]: replaced(node.kwargs[key[1]], key[2:])}
 
 
 def _wrap_marked_blocks(graph: fx.Graph) -> None:

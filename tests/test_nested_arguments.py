@@ -1,0 +1,96 @@
+"""Side inputs nested in tuples of tuples: ``image_rotary_emb=((cos, sin), None)``.
+
+Some MMDiTs hand each block one argument holding the image RoPE pair and the text RoPE (or
+``None``): the ``[N, d]`` tables sit two tuples deep. They are found there and cut to the
+kept rows like any rotary table without a batch dim (``rope-batch-shared``), so the
+selection is shared across the batch. Self-written model; docs/design.md#invariants.
+"""
+
+from __future__ import annotations
+
+import torch
+from third_party_checks import (
+    Case,
+    capture_block_inputs,
+    check_eval_is_bitwise_unrouted,
+    check_gradients,
+    check_rate_zero_equals_training,
+    check_routed_shape_count_and_change,
+)
+from torch import nn
+
+import tread_fx
+
+B, N, D = 2, 16, 32
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class RotaryBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(D)
+        self.qkv = nn.Linear(D, 3 * D)
+        self.out = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor, image_rotary_emb: tuple) -> torch.Tensor:
+        (cos, sin), text_rotary = image_rotary_emb
+        assert text_rotary is None
+        q, k, v = self.qkv(self.norm(x)).chunk(3, dim=-1)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        return x + self.out(nn.functional.scaled_dot_product_attention(q, k, v))
+
+
+class NestedRotary(nn.Module):
+    def __init__(self, depth: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, D)
+        self.blocks = nn.ModuleList(RotaryBlock() for _ in range(depth))
+        self.head = nn.Linear(D, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        angles = torch.arange(h.shape[1])[:, None] * torch.linspace(0.1, 1.0, D)  # [N, D]
+        rotary = ((angles.cos(), angles.sin()), None)
+        for block in self.blocks:
+            h = block(h, rotary)
+        return self.head(h)
+
+
+def _inputs() -> tuple[tuple, dict]:
+    return (torch.randn(B, N, 4, generator=torch.Generator().manual_seed(0)),), {}
+
+
+CASE = Case("NestedRotary", NestedRotary, _inputs, routes=[(1, -1)])
+
+
+def test_eval_is_bitwise_unrouted():
+    check_eval_is_bitwise_unrouted(CASE)
+
+
+def test_rate_zero_equals_training():
+    check_rate_zero_equals_training(CASE)
+
+
+def test_routed_and_gradients():
+    infos = check_routed_shape_count_and_change(CASE)
+    assert infos[0].kept.shape[1] == N // 2
+    check_gradients(CASE)
+
+
+def test_the_nested_tables_are_cut_to_the_kept_rows_shared_across_the_batch():
+    model = tread_fx.route(NestedRotary(), routes=[(1, -1)], seed=0).train()
+    x = _inputs()[0][0]
+    model(x)
+    with capture_block_inputs(model.blocks[2]) as calls:
+        model(x)
+    kept = tread_fx.route_info(model)[0].kept
+    assert torch.equal(kept[0], kept[1])  # a table without a batch dim: one selection
+    (cos, sin), text = calls[-1][0][1]
+    angles = torch.arange(N)[:, None] * torch.linspace(0.1, 1.0, D)
+    assert text is None and cos.shape == (N // 2, D)
+    torch.testing.assert_close(cos, angles.cos()[kept[0]])
+    torch.testing.assert_close(sin, angles.sin()[kept[0]])
