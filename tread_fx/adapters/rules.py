@@ -3,8 +3,8 @@
 Each rule is an :class:`~tread_fx.adapters.registry.Adapter`; its ``doc`` says what it
 assumes. The registry consults user adapters first, then these:
 ``conditioning-by-name``, ``rope-timm-eva``, ``rope-per-sample``, ``rope-batch-shared``,
-``attention-mask``, ``attention-mask-shared``, ``position-ids``, ``position-ids-shared``,
-``token-index-shared``, ``stream-derived``, ``residual``.
+``rope-other-stream``, ``attention-mask``, ``attention-mask-shared``, ``position-ids``,
+``position-ids-shared``, ``token-index-shared``, ``stream-derived``, ``residual``.
 
 Example:
     >>> from tread_fx.adapters.rules import BUILTIN_ADAPTERS
@@ -40,6 +40,7 @@ _ROTARY_NAMES = frozenset(
      "freqs_cis", "freqs", "pos_emb", "position_embeddings", "rotary_embeddings",
      "rotary_position_embeddings", "freqs_cos", "freqs_sin", "pe"}
 )  # fmt: skip
+_ROTARY_PARTS = ("rope", "rotary", "freqs")
 _MASK_NAMES = frozenset(
     {"attention_mask", "attn_mask", "mask", "key_padding_mask", "padding_mask",
      "src_key_padding_mask", "joint_attention_mask"}
@@ -65,8 +66,16 @@ def _rows(side: SideValue, *, per_sample: bool, features_last: bool) -> RowMap |
     return find_rows(side, batch=batch, features_last=features_last, all_dims=not features_last)
 
 
+def _received_as_rotary(side: SideValue) -> bool:
+    """Received only under rotary names: the known ones, or names holding ``rope``,
+    ``rotary`` or ``freqs`` (``cond_rope``, ``text_freqs``)."""
+    return bool(side.arg_names) and all(
+        n in _ROTARY_NAMES or any(part in n for part in _ROTARY_PARTS) for n in side.arg_names
+    )
+
+
 def _rope_rows(side: SideValue, per_sample: bool) -> RowMap | None:
-    if not _received_as(side, _ROTARY_NAMES):
+    if not _received_as_rotary(side):
         return None
     return _rows(side, per_sample=per_sample, features_last=True)
 
@@ -89,9 +98,15 @@ def _covers_tokens(side: SideValue, features_last: bool) -> bool:
     return any(shape[d] >= least for d in dims if d != batch)
 
 
-def _why_not(names: frozenset[str], features_last: bool):
+def _rope_of_a_shorter_stream(side: SideValue) -> bool:
+    """A rotary table none of whose rows can be the routed tokens' (fewer rows than them)."""
+    is_table, _ = _table_batch(side)
+    return is_table and _received_as_rotary(side) and not _covers_tokens(side, True)
+
+
+def _why_not(received, features_last: bool):
     def diagnose(side: SideValue) -> str | None:
-        if not _received_as(side, names) or not _covers_tokens(side, features_last):
+        if not received(side) or not _covers_tokens(side, features_last):
             return None
         return explain_rows(side, features_last)
 
@@ -183,7 +198,7 @@ BUILTIN_ADAPTERS: tuple[Adapter, ...] = (
         action=take_rows,
         options=lambda side: _rope_rows(side, False).options(None),
         shares_selection=True,
-        diagnose=_why_not(_ROTARY_NAMES, features_last=True),
+        diagnose=_why_not(_received_as_rotary, features_last=True),
         doc=(
             "A RoPE table received under a rotary argument name without a batch dim (or "
             "with a broadcast dim of 1): [N, d], or Flux's [T + N, d] whose text rows come "
@@ -192,6 +207,18 @@ BUILTIN_ADAPTERS: tuple[Adapter, ...] = (
             "cannot become per-sample: the route's selection is shared across the batch "
             "(a fresh subset per step, the same for every sample) and the table keeps the "
             "kept tokens' rows plus all non-token (text) rows, in their original order."
+        ),
+        builtin=True,
+    ),
+    Adapter(
+        name="rope-other-stream",
+        matches=_rope_of_a_shorter_stream,
+        action="pass",
+        doc=(
+            "A RoPE table received under a rotary name whose rows (all dims but the batch "
+            "and the features) are fewer than the routed tokens, e.g. a [T, d] table of a "
+            "shorter text or condition stream: it cannot hold the routed tokens' positions, "
+            "so it is passed unchanged, even when its head dim d happens to equal N."
         ),
         builtin=True,
     ),
@@ -215,7 +242,7 @@ BUILTIN_ADAPTERS: tuple[Adapter, ...] = (
         action=take_rows,
         options=lambda side: _mask_rows(side, False).options(None),
         shares_selection=True,
-        diagnose=_why_not(_MASK_NAMES, features_last=False),
+        diagnose=_why_not(lambda side: _received_as(side, _MASK_NAMES), features_last=False),
         doc=(
             "A mask received under a mask argument name without a batch dim ([N, N], "
             "[1, 1, N, N]): indexed along its token dims with a selection shared across "
