@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import inspect
+import math
 import operator
 import warnings
 from dataclasses import dataclass, field
@@ -329,12 +330,13 @@ def _height_arguments(info, route: Route, layout: StreamLayout, strategy: Strate
     heights = grid_arguments(info, route, layout.grid)
     if heights and not strategy.needs_grid:
         node, _ = heights[0]
-        h, w = layout.grid
+        *frames, h, w = layout.grid
+        told = f"frames={frames[0]}, height={h}" if frames else f"height={h}"
         raise SelectionError(
-            f"block {node.target[len('model.') :]} receives the patch grid height={h} and "
-            f"width={w} as numbers and reshapes its {h * w} tokens to that grid, so it cannot "
-            f"run on a random subset; use selection='rows', which keeps whole rows and tells "
-            "the blocks the kept row count."
+            f"block {node.target[len('model.') :]} receives the patch grid {told} and "
+            f"width={w} as numbers and reshapes its {math.prod(layout.grid)} tokens to that "
+            "grid, so it cannot run on a random subset; use selection='rows', which keeps "
+            "whole rows (of every frame) and tells the blocks the kept row count."
         )
     return heights
 

@@ -13,6 +13,8 @@ Example:
 
 from __future__ import annotations
 
+import math
+
 import networkx as nx
 import torch
 import torch.fx as fx
@@ -32,6 +34,7 @@ __all__ = [
     "family_slots",
     "non_token_carried",
     "grid_arguments",
+    "grid_in_block_arguments",
 ]
 
 
@@ -233,12 +236,13 @@ def non_token_carried(g: nx.DiGraph, info: StreamInfo, route: Route) -> set[fx.N
     return {outs[o] for o, i in carried.items() if i not in family and o in outs}
 
 
-def grid_arguments(info: StreamInfo, route: Route, grid: tuple[int, int] | None) -> list[tuple]:
+def grid_arguments(info: StreamInfo, route: Route, grid: tuple[int, ...] | None) -> list[tuple]:
     """Blocks of the route that receive the patch grid's height and width as numbers.
 
-    Sana's blocks take ``(..., height, width)`` and reshape their tokens to that grid. Such
-    a route can keep whole rows (``selection="rows"``) if each block is told the kept row
-    count instead of the height.
+    Sana's blocks take ``(..., height, width)`` (Sana-Video's ``(..., frames, height,
+    width)``) and reshape their tokens to that grid. Such a route can keep whole rows
+    (``selection="rows"``; in every frame for a video grid) if each block is told the kept
+    row count instead of the height.
 
     Returns:
         ``(node, slot)`` of every height argument (the width follows it).
@@ -247,14 +251,38 @@ def grid_arguments(info: StreamInfo, route: Route, grid: tuple[int, int] | None)
         return []
     found = []
     for block in info.blocks[route.start : route.end]:
-        items = [(("arg", i), a) for i, a in enumerate(block.node.args)]
-        items += [(("kwarg", k), a) for k, a in block.node.kwargs.items()]
-        numbers = [(k, _int_value(a)) for k, a in items if _int_value(a) is not None]
-        for (key, value), (_, following) in zip(numbers, numbers[1:]):
-            if (value, following) == tuple(grid):
-                found.append((block.node, key))
-                break
+        run = _int_run(block.node, tuple(grid))
+        if run is not None:
+            found.append((block.node, run[-2]))
     return found
+
+
+def grid_in_block_arguments(info: StreamInfo, tokens: int) -> tuple[int, ...] | None:
+    """A patch grid the first block is told as consecutive numbers: ``(frames, height,
+    width)`` or ``(height, width)`` whose product is ``tokens`` (the routable tokens)."""
+    numbers = [v for _, v in _int_arguments(info.blocks[0].node)]
+    for size in (3, 2):
+        for i in range(len(numbers) - size + 1):
+            run = tuple(numbers[i : i + size])
+            if math.prod(run) == tokens and min(run[-2:]) > 1:
+                return run
+    return None
+
+
+def _int_arguments(node: fx.Node) -> list[tuple[tuple, int]]:
+    items = [(("arg", i), a) for i, a in enumerate(node.args)]
+    items += [(("kwarg", k), a) for k, a in node.kwargs.items()]
+    return [(k, _int_value(a)) for k, a in items if _int_value(a) is not None]
+
+
+def _int_run(node: fx.Node, grid: tuple[int, ...]) -> list[tuple] | None:
+    """Slots of consecutive int arguments of ``node`` equal to ``grid``, if any."""
+    numbers = _int_arguments(node)
+    for i in range(len(numbers) - len(grid) + 1):
+        window = numbers[i : i + len(grid)]
+        if tuple(v for _, v in window) == grid:
+            return [k for k, _ in window]
+    return None
 
 
 def _int_value(arg: object) -> int | None:

@@ -70,7 +70,7 @@ class RouteInfo:
         kept: Kept token ids [B, k], ascending (prefix tokens included).
         num_tokens: Token count N of the stream at the route start.
         prefix: Leading tokens never routed (cls/registers).
-        grid: Patch grid (H, W) of the routable tokens, when known.
+        grid: Patch grid (H, W), or (F, H, W) for video, of the routable tokens, when known.
         selection: The selection used (``"auto"`` resolved to ``"random"`` or ``"rows"``).
     """
 
@@ -78,7 +78,7 @@ class RouteInfo:
     kept: torch.Tensor
     num_tokens: int
     prefix: int
-    grid: tuple[int, int] | None
+    grid: tuple[int, ...] | None
     selection: str = "random"
 
     @property
@@ -376,7 +376,7 @@ def route(
     compile: bool | dict = False,
     example_inputs: tuple | None = None,
     strict: bool = True,
-    grid: tuple[int, int] | None = None,
+    grid: tuple[int, ...] | None = None,
     reinsert: Reinsert | None = None,
     reroute: bool = False,
     share_selection: bool | None = None,
@@ -403,7 +403,8 @@ def route(
         compile: ``True`` (or ``torch.compile`` kwargs) to compile each routed graph.
         example_inputs: ``(args, kwargs)`` or ``args`` to trace now instead of lazily.
         strict: Refuse side values that look token-aligned but match no adapter.
-        grid: Patch grid (H, W) for ``selection="rows"`` when it cannot be discovered.
+        grid: Patch grid (H, W), or (F, H, W) for video, for ``selection="rows"`` when it
+            cannot be discovered.
         reinsert: How routed-around tokens re-enter (default: unchanged, scatter).
         reroute: Allow routing an already routed model (replaces its routing).
         share_selection: ``None`` (default): every sample keeps its own tokens, except in

@@ -43,7 +43,7 @@ class RoutingConfig:
         selection: Name of the selection strategy.
         blocks: The user's ``blocks=`` (``None``: detected).
         keep_prefix: Leading tokens never routed (``None``: detected).
-        grid: Patch grid (H, W) given by the user.
+        grid: Patch grid (H, W) or (F, H, W) given by the user.
         strict: Refuse unknown token-aligned side values.
         reinsert: How routed-around tokens re-enter.
         share_selection: Batch-shared selection: ``None`` where needed, or always/never.
@@ -59,7 +59,7 @@ class RoutingConfig:
     selection: str = "auto"
     blocks: Any = None
     keep_prefix: int | None = None
-    grid: tuple[int, int] | None = None
+    grid: tuple[int, ...] | None = None
     strict: bool = True
     reinsert: Reinsert = field(default_factory=Reinsert)
     share_selection: bool | None = None
@@ -118,7 +118,7 @@ def resolve_config(
     blocks: str | Sequence[str] | nn.Module | None = None,
     keep_prefix: int | None = None,
     strict: bool = True,
-    grid: tuple[int, int] | None = None,
+    grid: tuple[int, ...] | None = None,
     reinsert: Reinsert | None = None,
     share_selection: bool | None = None,
     fp32_reentry: bool = False,
@@ -133,7 +133,7 @@ def resolve_config(
         blocks: Block container path(s) or module, or ``None`` to detect.
         keep_prefix: Leading tokens never routed (``None``: detect).
         strict: Refuse unknown token-aligned side values.
-        grid: Patch grid (H, W) for grid-shaped selections.
+        grid: Patch grid (H, W) or (F, H, W) for grid-shaped selections.
         reinsert: How routed-around tokens re-enter (default: unchanged).
         share_selection: ``None``, ``True`` or ``False`` (see ``route()``).
         fp32_reentry: Run the first block after each route in float32.

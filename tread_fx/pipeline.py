@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 
@@ -28,6 +29,7 @@ from tread_fx.errors import SelectionError, SideInputError
 from tread_fx.passes.locate import StreamInfo, block_leaf_paths, locate, resolve_block_lists
 from tread_fx.passes.plan import RoutePlan, plan_route
 from tread_fx.passes.rewrite import append_route_outputs, rewrite_route
+from tread_fx.passes.streams import grid_in_block_arguments
 from tread_fx.passes.trace import TracedCall, trace_call
 from tread_fx.routes import Route
 from tread_fx.runtime.selection import get_strategy
@@ -75,11 +77,12 @@ def find_grid(model: nn.Module, num_tokens: int) -> tuple[int, int] | None:
 
 def _grid_for(model: nn.Module, config: RoutingConfig, info: StreamInfo) -> tuple[int, int] | None:
     routable = info.num_tokens - info.prefix
-    grid = config.grid or find_grid(model, routable)
-    if grid is not None and grid[0] * grid[1] != routable:
+    grid = config.grid or find_grid(model, routable) or grid_in_block_arguments(info, routable)
+    if grid is not None and math.prod(grid) != routable:
         raise SelectionError(
             f"grid={grid} was given, but the token stream has {routable} routable tokens "
-            f"({info.num_tokens} minus {info.prefix} prefix); H * W must equal that."
+            f"({info.num_tokens} minus {info.prefix} prefix); H * W must equal that (F * H * W "
+            "for a video grid)."
         )
     if grid is None and config.strategy.needs_grid:
         raise SelectionError(

@@ -425,7 +425,7 @@ def format_report(exp: Explanation, color: bool = False) -> str:
     if exp.candidates:
         lines.append("  also considered: " + ", ".join(exp.candidates))
     st = exp.stream
-    grid = f", grid {st['grid'][0]} x {st['grid'][1]}" if st["grid"] else ""
+    grid = f", grid {' x '.join(map(str, st['grid']))}" if st["grid"] else ""
     lines += [
         s("Token stream", "bold"),
         f"  {fmt_shape(tuple(st['shape']))} {st['dtype']} entering {st['enters_at']}; "

@@ -41,7 +41,7 @@ class Strategy:
 
     Attributes:
         name: The ``selection=`` name.
-        needs_grid: Whether the patch grid (H, W) must be known.
+        needs_grid: Whether the patch grid (H, W), or (F, H, W) for video, must be known.
         units: ``units(num_routable_tokens, grid) -> number of selectable units``.
         select: ``select(noise [B, units], keep, prefix, grid) -> kept token ids [B, k]``,
             ascending, prefix tokens first. Runs inside the routed graph.
@@ -101,17 +101,23 @@ def select_random(
 
 
 def select_rows(
-    noise: torch.Tensor, keep: int, prefix: int, grid: tuple[int, int] | None = None
+    noise: torch.Tensor, keep: int, prefix: int, grid: tuple[int, ...] | None = None
 ) -> torch.Tensor:
-    """Keep ``keep`` whole rows of the (H, W) grid per sample, ascending: an r x W grid."""
-    width = grid[1]
+    """Keep ``keep`` whole rows of the (H, W) grid per sample, ascending: an r x W grid.
+
+    A video grid (F, H, W) keeps the same rows in every frame (rows and frames): an
+    F x r x W grid, so blocks that reshape their tokens to (frames, height, width) still can.
+    """
+    frames, height, width = (1, *grid) if len(grid) == 2 else grid
     rows = _smallest_sorted(noise, keep)
     cols = torch.arange(width, device=noise.device)
-    return _with_prefix((rows[:, :, None] * width + cols).flatten(1), prefix)
+    in_frame = (rows[:, :, None] * width + cols).flatten(1)  # [B, r * W]
+    starts = torch.arange(frames, device=noise.device) * (height * width)
+    return _with_prefix((starts[:, None] + in_frame[:, None, :]).flatten(1), prefix)
 
 
 register_strategy(Strategy("random", False, lambda n, grid: n, select_random))
-register_strategy(Strategy("rows", True, lambda n, grid: grid[0], select_rows))
+register_strategy(Strategy("rows", True, lambda n, grid: grid[-2], select_rows))
 # "auto" is resolved per trace (tread_fx.pipeline): "random" unless the routed blocks reshape
 # their tokens to the patch grid, then "rows"; as a strategy it selects like "random"
 register_strategy(Strategy("auto", False, lambda n, grid: n, select_random))
