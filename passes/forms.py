@@ -146,7 +146,8 @@ def _tag(value: torch.Tensor, token_dim: int, sign: float) -> torch.Tensor:
     pos = torch.arange(n, device=x.device)
     digits = [(pos // _BASE**d) % _BASE + 1 for d in range(_DIGITS)]
     sample = torch.arange(b, device=x.device)[:, None].expand(b, n) + 1
-    fields = torch.stack([*(d.expand(b, n) for d in digits), sample], dim=-1).to(x.dtype)
+    one = torch.ones(b, n, dtype=torch.long, device=x.device)  # a sum of tokens has more
+    fields = torch.stack([*(d.expand(b, n) for d in digits), sample, one], dim=-1).to(x.dtype)
     tagged = torch.zeros_like(x.reshape(b, n, -1))
     tagged[..., : fields.shape[-1]] = sign * fields
     tagged = tagged.reshape(x.shape)
@@ -178,7 +179,7 @@ def _refuse(info: StreamInfo, index: int, what: str) -> TokenStreamError:
 
 def _landing(gm, info: StreamInfo, index: int, tensors: list) -> torch.Tensor:
     """[B, L] source position landing at each place after the hand-off (-1: another token)."""
-    width = _DIGITS + 1
+    width = _DIGITS + 2
     if (_tokens(info.blocks[index - 1].stream_out, info) or 0) >= _BASE**_DIGITS:
         raise _refuse(info, index, f"the stream has {_BASE**_DIGITS} tokens or more")
     first, second = (_read(gm, info, index, tensors, s) for s in (1.0, -1.0))
@@ -189,11 +190,11 @@ def _landing(gm, info: StreamInfo, index: int, tensors: list) -> torch.Tensor:
     clean = (first[..., :width] == fields).all(-1) & (
         second[..., :width] == -first[..., :width]
     ).all(-1)
-    clean &= (first[..., width:] == 0).all(-1) & (fields > 0).all(-1)
+    clean &= (first[..., width:] == 0).all(-1) & (fields[..., -1] == 1)
     if (moved & ~clean).any():
         raise _refuse(info, index, "the tokens after it are computed from several tokens")
     samples = torch.arange(first.shape[0], device=first.device)[:, None] + 1
-    if (moved & (fields[..., -1] != samples)).any():
+    if (moved & (fields[..., -2] != samples)).any():
         raise _refuse(info, index, "it moves tokens from one sample into another")
     pos = sum((fields[..., d] - 1) * _BASE**d for d in range(_DIGITS))
     return torch.where(moved, pos, torch.full_like(pos, -1))
@@ -221,8 +222,16 @@ def locate_tokens(
     for index in changes:
         landing = _landing(gm, info, index, tensors).cpu()
         hits = landing[:, None, :] == positions[:, :, None]  # [B, N, L]
-        if not (hits.sum(-1) == 1).all():
-            raise _refuse(info, index, "an image token does not land exactly once after it")
+        if (hits.sum(-1) == 0).any():
+            raise _refuse(
+                info,
+                index,
+                f"it drops tokens of the stream that the route starts on at block {route.start} "
+                "(other tokens, e.g. text, that the model slices off again): start the route "
+                "where the stream holds the image tokens only",
+            )
+        if (hits.sum(-1) > 1).any():
+            raise _refuse(info, index, "it copies a token to several places")
         positions = hits.float().argmax(-1)
         taken = torch.zeros_like(landing, dtype=torch.bool).scatter(1, positions, True)
         others = torch.stack([torch.nonzero(~row).flatten() for row in taken])

@@ -188,3 +188,34 @@ def test_invariants(case):
     check_rate_zero_equals_training(case)
     check_routed_shape_count_and_change(case)
     check_gradients(case)
+
+
+class MixingHandOff(PaddedJoint):
+    """Writes a running sum over the image tokens into the buffer: not a move of tokens."""
+
+    def forward(self, image: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+        image, text = self.image_in(image), self.text_in(text)
+        for block in self.refiner:
+            image = block(image)
+        n, t = image.shape[1], text.shape[1]
+        joint = image.new_zeros(image.shape[0], t + n, image.shape[2])
+        for i in range(image.shape[0]):
+            joint[i, :t] = text[i]
+            joint[i, t:] = image[i].cumsum(0)
+        for block in self.layers:
+            joint = block(joint)
+        return self.out(joint[:, t:])
+
+
+def test_a_hand_off_that_mixes_tokens_is_refused_with_the_reason():
+    case = Case("mixing", MixingHandOff, _inputs, routes=[(1, 5)])
+    model = case.route(case.model())
+    with pytest.raises(tread_fx.TokenStreamError, match="computed from several tokens"):
+        model.train()(*_inputs()[0])
+
+
+def test_a_route_starting_on_the_longer_stream_that_drops_tokens_is_refused():
+    case = Case("inside", SuffixSingles, _inputs, routes=[(3, 6)])
+    model = case.route(case.model())
+    with pytest.raises(tread_fx.TokenStreamError, match="start the route where the stream"):
+        model.train()(*_inputs()[0])
