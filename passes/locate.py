@@ -326,11 +326,17 @@ def _same_form_as_first(keys: list, slots: dict, first: BlockCall) -> list:
 
     A list after single blocks over ``[text | image]`` may take the two parts split off again
     (``text, image = x[:, :T], x[:, T:]``): both descend from the previous stream, the image
-    part has the first block's stream shape.
+    part has the first block's stream shape. A longer joint stream is told from a mask fed
+    by it by its rank and channel count.
     """
     shape = first.stream_in.meta["tread_meta"].shape
-    same = [k for k in keys if getattr(slots[k].meta.get("tread_meta"), "shape", None) == shape]
-    return same if len(same) == 1 else keys
+    shapes = {k: getattr(slots[k].meta.get("tread_meta"), "shape", ()) for k in keys}
+    same = [k for k in keys if shapes[k] == shape]
+    if len(same) == 1:
+        return same
+    # a longer stream ([text | image | padding]) keeps the rank and the channel count
+    alike = [k for k in keys if len(shapes[k]) == len(shape) and shapes[k][-1:] == shape[-1:]]
+    return alike if len(alike) == 1 else keys
 
 
 def _carried_slots(blocks: list[BlockCall]) -> dict[tuple, SlotKey]:
