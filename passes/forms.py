@@ -66,9 +66,21 @@ def _tokens(node: fx.Node, info: StreamInfo) -> int | None:
     return meta.shape[info.token_dim]
 
 
+_MOVES = {"getitem", "cat", "concat", "concatenate", "stack", "functional_setitem", "pad",
+          "narrow", "split", "chunk", "tensor_split", "index_select", "pad_sequence"}  # fmt: skip
+
+
+def _moves(node: fx.Node) -> bool:
+    """An op that moves tokens (slices, concatenates, writes into a buffer), not a module or
+    a computation (a side branch over other tokens, e.g. perceiver latents, is no form)."""
+    if node.op not in ("call_function", "call_method"):
+        return False
+    return getattr(node.target, "__name__", node.target) in _MOVES
+
+
 def changes_form(g: nx.DiGraph, info: StreamInfo, index: int) -> bool:
-    """The hand-off into block ``index`` changes the token count on its way (cat, slice,
-    per-sample writes), not only the values."""
+    """The hand-off into block ``index`` changes the token count on its way by moving tokens
+    (cat, slice, per-sample writes), not only the values."""
     source, target = info.blocks[index - 1].stream_out, info.blocks[index].stream_in
     count = _tokens(source, info)
     if _tokens(target, info) != count:
@@ -77,7 +89,7 @@ def changes_form(g: nx.DiGraph, info: StreamInfo, index: int) -> bool:
     between = nx.descendants(g, source) & (nx.ancestors(g, target) | {target})
     for node in between:
         meta = node.meta.get("tread_meta")
-        if not isinstance(meta, TensorMeta) or len(meta.shape) != rank:
+        if not isinstance(meta, TensorMeta) or len(meta.shape) != rank or not _moves(node):
             continue
         if meta.shape[info.batch_dim] == info.batch_size and _tokens(node, info) != count:
             return True
