@@ -19,6 +19,7 @@ import operator
 from dataclasses import dataclass, field
 
 import torch.fx as fx
+import torch.utils._pytree as pytree
 from torch import nn
 
 from tread_fx.errors import TokenStreamError
@@ -89,6 +90,7 @@ class StreamInfo:
     primary: fx.Node
     carried: dict[str, dict[tuple, SlotKey]] = field(default_factory=dict)
     stream_after: fx.Node | None = None
+    form_cuts: set[int] = field(default_factory=set)  # blocks a route split ends before
 
     @property
     def depth(self) -> int:
@@ -174,7 +176,7 @@ def locate(
             "not tokens). tread_fx routes token sequences only: pass blocks= naming a "
             "container whose blocks take token sequences, or route a token-based backbone."
         )
-    batch_dim, token_dim, batch = _layout(meta, primary)
+    batch_dim, token_dim, batch = _layout(meta, primary, _list_batch(traced, primary))
     num_tokens = meta.shape[token_dim]
     prefix = _prefix(model, keep_prefix, blocks[0].stream_in, primary, token_dim, num_tokens)
     return StreamInfo(
@@ -294,6 +296,7 @@ def _assign_stream_slots(blocks: list[BlockCall], primary: fx.Node, block_nodes:
             keys = [
                 k for k, n in slots.items() if prev.stream_out in ancestors(n, block_nodes) | {n}
             ]
+            keys = _same_form_as_first(keys, slots, blocks[0]) if len(keys) > 1 else keys
             if len(keys) != 1:
                 raise _UnclearHandOff(
                     block.list_path,
@@ -319,6 +322,24 @@ def _assign_stream_slots(blocks: list[BlockCall], primary: fx.Node, block_nodes:
         block.stream_out = block.node if block.out_slot is None else outs[block.out_slot]
 
 
+def _same_form_as_first(keys: list, slots: dict, first: BlockCall) -> list:
+    """Of several arguments fed by the previous list, the one shaped like the stack's stream.
+
+    A list after single blocks over ``[text | image]`` may take the two parts split off again
+    (``text, image = x[:, :T], x[:, T:]``): both descend from the previous stream, the image
+    part has the first block's stream shape. A longer joint stream is told from a mask fed
+    by it by its rank and channel count.
+    """
+    shape = first.stream_in.meta["tread_meta"].shape
+    shapes = {k: getattr(slots[k].meta.get("tread_meta"), "shape", ()) for k in keys}
+    same = [k for k in keys if shapes[k] == shape]
+    if len(same) == 1:
+        return same
+    # a longer stream ([text | image | padding]) keeps the rank and the channel count
+    alike = [k for k in keys if len(shapes[k]) == len(shape) and shapes[k][-1:] == shape[-1:]]
+    return alike if len(alike) == 1 else keys
+
+
 def _carried_slots(blocks: list[BlockCall]) -> dict[tuple, SlotKey]:
     """Map each output slot of a block to the input slot of the next block it feeds."""
     if len(blocks) < 2 or isinstance(blocks[0].node.meta.get("tread_meta"), TensorMeta):
@@ -333,9 +354,28 @@ def _carried_slots(blocks: list[BlockCall]) -> dict[tuple, SlotKey]:
     return carried
 
 
-def _layout(meta: TensorMeta, primary: fx.Node) -> tuple[int, int, int]:
+def _list_batch(traced: TracedCall, primary: fx.Node) -> int | None:
+    """The length of the list of per-sample tensors that ``primary`` belongs to, if any.
+
+    A model called with ``[x_0, ..., x_{B-1}]`` as its main input has batch size ``B``, not
+    the first dim of one sample.
+    """
+    placeholders = [n for n in traced.gm.graph.nodes if n.op == "placeholder"]
+    if primary not in placeholders or len(placeholders) != len(traced.tensor_positions):
+        return None
+    leaf = traced.tensor_positions[placeholders.index(primary)]
+    count = traced.in_spec.num_leaves
+    args, kwargs = pytree.tree_unflatten(list(range(count)), traced.in_spec)
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, (list, tuple)) and leaf in value:
+            return len(value) if all(isinstance(v, int) for v in value) else None
+    return None
+
+
+def _layout(meta: TensorMeta, primary: fx.Node, listed: int | None = None) -> tuple[int, int, int]:
     pmeta = primary.meta.get("tread_meta")
     batch = pmeta.shape[0] if isinstance(pmeta, TensorMeta) and pmeta.shape else meta.shape[0]
+    batch = listed if listed is not None else batch
     if meta.shape[0] == batch:
         return 0, 1, batch
     if meta.shape[1] == batch:
@@ -343,7 +383,8 @@ def _layout(meta: TensorMeta, primary: fx.Node) -> tuple[int, int, int]:
     raise TokenStreamError(
         f"the token stream has shape {meta.shape}, but the batch size {batch} (dim 0 of the "
         "first input) is in neither of its first two dims; tread_fx needs [B, N, ...] or "
-        "[N, B, ...] streams."
+        "[N, B, ...] streams (a main input given as a list of per-sample tensors has the "
+        "list's length as its batch size)."
     )
 
 

@@ -29,6 +29,7 @@ from tread_fx.errors import InvalidRateError, SelectionError, SideInputError, To
 from tread_fx.passes.locate import BlockCall, StreamInfo, input_slots, output_slots
 from tread_fx.passes.streams import (
     check_no_token_tables_inside,
+    check_one_stream_length,
     crossing_prefix,
     ends_where_stream_changes,
     family_slots,
@@ -93,6 +94,8 @@ class RoutePlan:
     kept_tokens: int
     shared_selection: bool = False
     height_args: list[tuple] = field(default_factory=list)
+    change: Any = None  # later piece of a split route: the FormChange at its start
+    pieces: list[RoutePlan] = field(default_factory=list)  # first piece: the later ones
 
 
 def graph_to_networkx(graph: fx.Graph) -> nx.DiGraph:
@@ -143,7 +146,9 @@ def _region(g: nx.DiGraph, info: StreamInfo, route: Route) -> tuple[set, fx.Node
         last = info.blocks[route.end - 1]
         after = info.stream_after if route.end == info.depth else None
         stream_end = after or last.stream_out
-        outs = (set(output_slots(last.node).values()) or {last.node}) | {stream_end}
+        tensor = isinstance(last.node.meta.get("tread_meta"), TensorMeta)  # x[i] is no unpacking
+        outs = {last.node} if tensor else set(output_slots(last.node).values()) or {last.node}
+        outs |= {stream_end}
         upstream = set().union(*(nx.ancestors(g, o) | {o} for o in outs))
     region = (nx.descendants(g, start.node) | {start.node}) & upstream
     if stream_end not in region:
@@ -349,6 +354,8 @@ def plan_route(
     strategy: Strategy,
     grid: tuple[int, int] | None,
     strict: bool = True,
+    follows: RoutePlan | None = None,
+    change: Any = None,
 ) -> RoutePlan:
     """Plan one (resolved) route on the current graph.
 
@@ -360,12 +367,17 @@ def plan_route(
         strategy: The selection strategy.
         grid: Patch grid (H, W) of the routable tokens, when known.
         strict: Refuse token-aligned-looking values that no rule covers.
+        follows: For a later piece of a route split where the stream changes form
+            (:mod:`tread_fx.passes.forms`): the route's first piece, whose selection it uses.
+        change: For a later piece: the ``FormChange`` at its start.
 
     Returns:
         The :class:`RoutePlan`.
     """
     gm.graph.__dict__.pop("_tread_index", None)
     g = graph_to_networkx(gm.graph)
+    if follows is not None:
+        return _plan_piece(gm, g, info, route, follows, change, strict)
     shift = crossing_prefix(g, info, route)
     check_no_token_tables_inside(gm, info, route)
     region, stream_start, stream_end = _region(g, info, route)
@@ -419,3 +431,27 @@ def plan_route(
         any(c.shares_selection for c in entering),
         heights,
     )
+
+
+def _plan_piece(gm, g, info, route: Route, follows: RoutePlan, change, strict) -> RoutePlan:
+    """A later piece of a split route: the longer stream after a form change, gathered at the
+    places of the first piece's kept tokens and at every other token (never routed)."""
+    check_one_stream_length(info, route)
+    check_no_token_tables_inside(gm, info, route)
+    region, stream_start, stream_end = _region(g, info, route)
+    meta = stream_start.meta["tread_meta"]
+    shape = meta.shape
+    layout = StreamLayout(
+        info.batch_dim, info.token_dim, shape[info.batch_dim], shape[info.token_dim], 0, None
+    )
+    start = info.blocks[route.start]
+    entering = _entering(g, (start, stream_start), region, info, layout, strict)
+    non_token = non_token_carried(g, info, route)
+    leaving = _leaving(region, info, route, (stream_start, stream_end), entering, layout, non_token)
+    end_block = info.blocks[route.end] if route.end < info.depth else None
+    kept = follows.kept_tokens + change.others.shape[1]
+    return RoutePlan(
+        route, follows.index, start, end_block, stream_start, stream_end, region, entering,
+        leaving, layout, follows.units, follows.keep_units, kept, follows.shared_selection,
+        change=change,
+    )  # fmt: skip

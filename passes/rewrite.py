@@ -24,6 +24,7 @@ from tread_fx.runtime.ops import (
     blend_tokens,
     call_in_fp32,
     gather_tokens,
+    kept_positions,
     scatter_after_prefix,
     scatter_tokens,
 )
@@ -138,6 +139,8 @@ def rewrite_route(
     strategy: Strategy,
     reinsert: Reinsert = Reinsert(),
     embedded: fx.Node | None = None,
+    kept: fx.Node | None = None,
+    owner: Any = None,
 ) -> fx.Node:
     """Insert the nodes of one route into ``gm.graph`` in place.
 
@@ -147,17 +150,26 @@ def rewrite_route(
         strategy: The selection strategy whose ``select`` computes the kept ids.
         reinsert: How routed-around tokens re-enter.
         embedded: The embedded input (stream entering block 0), needed for blend mode.
+        kept: For a later piece of a split route (``plan.change``): the kept ids of the
+            route's first piece, mapped to their places after the form change.
+        owner: The module the graph runs on (``self`` of its code), which holds the
+            tables of a later piece (default: ``gm``).
 
     Returns:
         The node holding the kept token ids [B, k] of this route.
     """
     graph = gm.graph
-    noise = _add_noise_input(graph, plan)
-    with graph.inserting_before(plan.start_block.node):
-        kwargs = {"keep": plan.keep_units, "prefix": plan.layout.prefix, "grid": plan.layout.grid}
-        idx = graph.call_function(strategy.select, (noise,), kwargs)
-        if plan.shared_selection:  # a batch-shared table enters: one subset for all samples
-            idx = graph.call_function(share_across_batch, (idx,))
+    if plan.change is not None:
+        idx = _moved_selection(gm, plan, kept, owner if owner is not None else gm)
+    else:
+        noise = _add_noise_input(graph, plan)
+        with graph.inserting_before(plan.start_block.node):
+            kwargs = {
+                "keep": plan.keep_units, "prefix": plan.layout.prefix, "grid": plan.layout.grid
+            }  # fmt: skip
+            idx = graph.call_function(strategy.select, (noise,), kwargs)
+            if plan.shared_selection:  # a batch-shared table enters: one subset for all samples
+                idx = graph.call_function(share_across_batch, (idx,))
     _mark(idx, None, "select", plan.index)
     for crossing in plan.entering:
         if crossing.action != "pass":
@@ -168,6 +180,22 @@ def rewrite_route(
     for node, key in plan.height_args:  # blocks told the grid: they now see keep_units rows
         _set_argument(node, key, plan.keep_units)
     return idx
+
+
+def _moved_selection(gm: fx.GraphModule, plan: RoutePlan, kept: fx.Node, owner) -> fx.Node:
+    """The places of the first piece's kept tokens and of all other tokens after a form
+    change (constant tables of the traced call: where each image token landed)."""
+    device = plan.stream_start.meta["tread_meta"].device
+    names = []
+    for part in ("positions", "others"):
+        name = f"tread_form_{plan.index}_{plan.route.start}_{part}"
+        table = getattr(plan.change, part).to(device)
+        for module in {id(gm): gm, id(owner): owner}.values():  # the graph runs on ``owner``
+            module.register_buffer(name, table, persistent=False)
+        names.append(name)
+    with gm.graph.inserting_before(plan.start_block.node):
+        tables = [gm.graph.get_attr(name) for name in names]
+        return gm.graph.call_function(kept_positions, (kept, *tables))
 
 
 def _set_argument(node: fx.Node, key: tuple, value: Any) -> None:

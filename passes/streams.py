@@ -47,6 +47,8 @@ def ends_where_stream_changes(info: StreamInfo, route: Route) -> bool:
     """The route ends at a list whose stream is longer (text concatenated in between)."""
     if route.end >= info.depth:
         return False
+    if route.end in info.form_cuts:  # a route split at a change of the stream's form
+        return True
     end, start = info.blocks[route.end], info.blocks[route.start]
     return stream_tokens(end, info) != stream_tokens(start, info)
 

@@ -21,13 +21,16 @@ import math
 import warnings
 from dataclasses import dataclass
 
+import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 from torch import nn
 
 from tread_fx.config import RoutingConfig
-from tread_fx.errors import SelectionError, SideInputError
+from tread_fx.errors import SelectionError, SideInputError, TokenStreamError
+from tread_fx.passes.forms import cut_at_route_ends, form_changes, locate_tokens, needs_split
 from tread_fx.passes.locate import StreamInfo, block_leaf_paths, locate, resolve_block_lists
-from tread_fx.passes.plan import RoutePlan, plan_route
+from tread_fx.passes.plan import RoutePlan, graph_to_networkx, plan_route
 from tread_fx.passes.rewrite import append_route_outputs, rewrite_route
 from tread_fx.passes.streams import grid_in_block_arguments
 from tread_fx.passes.trace import TracedCall, trace_call
@@ -93,7 +96,49 @@ def _grid_for(model: nn.Module, config: RoutingConfig, info: StreamInfo) -> tupl
     return grid
 
 
-def _resolve_auto(traced, info: StreamInfo, routes: list[Route], config: RoutingConfig, grid):
+def _split_routes(traced, info: StreamInfo, routes: list[Route], args, kwargs) -> dict:
+    """Routes that cross a change of the stream's form, with where their tokens land."""
+    g = graph_to_networkx(traced.gm.graph)
+    flat = pytree.tree_flatten((args, kwargs))[0]
+    tensors = [leaf for leaf in flat if isinstance(leaf, torch.Tensor)]
+    splits = {}
+    for i, route in enumerate(routes):
+        cut_at_route_ends(g, info, route)
+        changes = form_changes(g, info, route)
+        if needs_split(g, info, route, changes):
+            splits[i] = locate_tokens(traced.gm, info, route, changes, tensors)
+            info.form_cuts.update(changes)
+    return splits
+
+
+def _first_piece(route: Route, changes: list | None) -> Route:
+    return Route(route.start, changes[0].index, route.rate) if changes else route
+
+
+def _plan_split(gm, info, route: Route, index: int, changes: list, build_args) -> RoutePlan:
+    """Plan and rewrite a route in pieces at its form changes; returns the first piece's
+    plan (reporting the whole route), the later pieces in its ``pieces``."""
+    strategy, grid, config, embedded, owner = build_args
+    if config.reinsert.mode != "scatter":
+        raise TokenStreamError(
+            f"route ({route.start}, {route.end}) crosses a change of the token stream's form "
+            f"(before block {changes[0].index}), which only reinsert='scatter' supports; end "
+            "the route before it, or use the default reinsert."
+        )
+    bounds = [route.start, *(c.index for c in changes), route.end]
+    first = plan_route(gm, info, _first_piece(route, changes), index, strategy, grid, config.strict)
+    _apply_share_selection(first, config.share_selection)
+    kept = rewrite_route(gm, first, strategy, config.reinsert, embedded)
+    for change, start, end in zip(changes, bounds[1:], bounds[2:]):
+        piece = Route(start, end, route.rate)
+        plan = plan_route(gm, info, piece, index, strategy, None, config.strict, first, change)
+        rewrite_route(gm, plan, strategy, config.reinsert, embedded, kept, owner)
+        first.pieces.append(plan)
+    first.route = route
+    return first, kept
+
+
+def _resolve_auto(traced, info: StreamInfo, routes: list[Route], config, grid, splits: dict):
     """The strategy to use: ``selection="auto"`` becomes ``"random"``, or ``"rows"`` when a
     routed block reshapes its tokens to the patch grid (random tokens make no grid)."""
     if config.strategy.name != "auto":
@@ -101,7 +146,8 @@ def _resolve_auto(traced, info: StreamInfo, routes: list[Route], config: Routing
     random = get_strategy("random")
     try:
         for i, route in enumerate(routes):
-            plan_route(traced.gm, info, route, i, random, grid, config.strict)
+            piece = _first_piece(route, splits.get(i))
+            plan_route(traced.gm, info, piece, i, random, grid, config.strict)
     except SelectionError:
         if grid is None:
             raise
@@ -146,10 +192,17 @@ def build(model: nn.Module, args: tuple, kwargs: dict, config: RoutingConfig) ->
     info = locate(traced, model, list_paths, config.blocks is not None, config.keep_prefix)
     routes = config.routes_for(info.depth)
     grid = _grid_for(model, config, info)
-    strategy = _resolve_auto(traced, info, routes, config, grid)
+    splits = _split_routes(traced, info, routes, args, kwargs)
+    strategy = _resolve_auto(traced, info, routes, config, grid, splits)
     embedded = info.blocks[0].stream_in
     plans, idx_nodes = [], []
     for i, route in enumerate(routes):
+        if i in splits:
+            build_args = (strategy, grid, config, embedded, traced.wrapper)
+            plan, kept = _plan_split(traced.gm, info, route, i, splits[i], build_args)
+            plans.append(plan)
+            idx_nodes.append(kept)
+            continue
         plan = plan_route(traced.gm, info, route, i, strategy, grid, config.strict)
         _apply_share_selection(plan, config.share_selection)
         idx_nodes.append(rewrite_route(traced.gm, plan, strategy, config.reinsert, embedded))

@@ -22,6 +22,7 @@ __all__ = [
     "gather_tokens",
     "scatter_tokens",
     "scatter_after_prefix",
+    "kept_positions",
     "blend_tokens",
     "routed_mask",
     "call_in_fp32",
@@ -87,6 +88,21 @@ def scatter_after_prefix(
     other, kept = src.split([prefix, src.shape[token_dim] - prefix], dim=token_dim)
     image = scatter_tokens(base, kept, idx, token_dim)
     return torch.cat([other.to(image.dtype), image], dim=token_dim)
+
+
+def kept_positions(
+    idx: torch.Tensor, positions: torch.Tensor, others: torch.Tensor
+) -> torch.Tensor:
+    """Places of the kept tokens ``idx`` [B, k] and of all other tokens after a form change.
+
+    Example:
+        >>> idx = torch.tensor([[0, 2]])
+        >>> kept_positions(idx, torch.tensor([[2, 3, 4]]), torch.tensor([[0, 1, 5]])).tolist()
+        [[0, 1, 2, 4, 5]]
+    """
+    moved = torch.gather(positions.to(idx.device), 1, idx)
+    both = torch.cat([moved, others.to(idx.device).expand(idx.shape[0], -1)], dim=1)
+    return both.sort(dim=1).values
 
 
 def blend_tokens(
