@@ -1,10 +1,13 @@
-"""diffusers models whose forwards stopped the tracer, built tiny here and routed.
+"""diffusers models from the coverage worklist, built tiny here and routed.
 
 In the diffusers-suite sweep these models failed at the tracer: item assignment into a
 tensor (PRX, LTX-2, Wan-Animate), Python read from tensor data (GLM-Image's per-token prior
 ids dropped per sample by a boolean index, HunyuanVideo 1.5's prompt lengths read from a
 mask), ``torch.finfo`` on a traced value (ACE-Step), a traced value passed to a C function
-(Cosmos). Each is built from a configuration written here (tiny, random weights) and checked against
+(Cosmos); HiDream and Bria-FIBO move their image tokens into longer joint streams between
+blocks (per-sample buffers, a text suffix re-appended around every single block). The
+suite's own configurations of those two have one block per list, too shallow for a route.
+Each is built from a configuration written here (tiny, random weights) and checked against
 docs/design.md#invariants with ``route()``'s default arguments. The self-written models that
 pin each class are in ``test_trace_real_forwards.py``.
 """
@@ -95,6 +98,44 @@ def _wan_animate_inputs() -> tuple[tuple, dict[str, Any]]:
     }
 
 
+def _hidream() -> torch.nn.Module:
+    return diffusers.HiDreamImageTransformer2DModel(
+        patch_size=2, in_channels=4, out_channels=4, num_layers=2, num_single_layers=2,
+        attention_head_dim=8, num_attention_heads=4, caption_channels=[8, 4], text_emb_dim=8,
+        num_routed_experts=2, num_activated_experts=2, axes_dims_rope=(4, 2, 2),
+        max_resolution=(32, 32), llama_layers=(0, 1, 2, 3), force_inference_output=True,
+    )  # fmt: skip
+
+
+def _hidream_inputs() -> tuple[tuple, dict[str, Any]]:
+    return (), {
+        "hidden_states": _randn(2, 4, 16, 16),
+        "encoder_hidden_states_t5": _randn(2, 8, 8, seed=1),
+        "encoder_hidden_states_llama3": _randn(4, 2, 8, 4, seed=2),  # one per block
+        "pooled_embeds": _randn(2, 8, seed=3),
+        "timesteps": torch.tensor([100, 900]),
+    }
+
+
+def _bria_fibo() -> torch.nn.Module:
+    return diffusers.BriaFiboTransformer2DModel(
+        patch_size=1, in_channels=48, num_layers=2, num_single_layers=2, attention_head_dim=8,
+        num_attention_heads=2, joint_attention_dim=64, pooled_projection_dim=None,
+        guidance_embeds=False, axes_dims_rope=[0, 4, 4], text_encoder_dim=32,
+    )  # fmt: skip
+
+
+def _bria_fibo_inputs() -> tuple[tuple, dict[str, Any]]:
+    return (), {
+        "hidden_states": _randn(2, 64, 48),
+        "encoder_hidden_states": _randn(2, 12, 64, seed=1),
+        "img_ids": _randn(64, 3, seed=2),
+        "txt_ids": _randn(12, 3, seed=3),
+        "timestep": torch.tensor([0.3, 0.7]),
+        "text_encoder_layers": [_randn(2, 12, 32, seed=4 + i) for i in range(4)],  # per block
+    }
+
+
 def _glm_image() -> torch.nn.Module:
     return diffusers.GlmImageTransformer2DModel(
         patch_size=2, in_channels=4, out_channels=4, num_layers=4, attention_head_dim=8,
@@ -180,6 +221,8 @@ CASES = [
     Case("PRX (item assignment)", _prx, _prx_inputs, routes=[(1, -1)]),
     Case("LTX-2 (item assignment)", _ltx2, _ltx2_inputs, routes=[(1, -1)]),
     Case("Wan-Animate (item assignment)", _wan_animate, _wan_animate_inputs, routes=[(1, -1)]),
+    Case("HiDream (per-sample joint stream)", _hidream, _hidream_inputs, routes=[(1, -1)]),
+    Case("Bria-FIBO (joint stream)", _bria_fibo, _bria_fibo_inputs, routes=[(1, -1)]),
     Case("GLM-Image (data-derived Python)", _glm_image, _glm_image_inputs, routes=[(1, -1)]),
     Case(
         "HunyuanVideo-1.5 (lengths from a mask)",
