@@ -27,7 +27,6 @@ from tread_fx.adapters import SideValue, StreamLayout, adapters
 from tread_fx.errors import InvalidRateError, SelectionError, SideInputError, TokenStreamError
 from tread_fx.passes.locate import BlockCall, StreamInfo, input_slots, output_slots
 from tread_fx.passes.streams import (
-    check_no_token_tables_inside,
     crossing_prefix,
     ends_where_stream_changes,
     family_slots,
@@ -365,7 +364,6 @@ def plan_route(
     gm.graph.__dict__.pop("_tread_index", None)
     g = graph_to_networkx(gm.graph)
     shift = crossing_prefix(g, info, route)
-    check_no_token_tables_inside(gm, info, route)
     region, stream_start, stream_end = _region(g, info, route)
     meta = stream_start.meta["tread_meta"]
     layout = StreamLayout(
