@@ -36,6 +36,7 @@ from tread_fx.adapters.token_tables import take_rows
 from tread_fx.adapters.values import StreamLayout, TensorMeta
 from tread_fx.passes.locate import BlockCall
 from tread_fx.passes.trace import MODEL_PREFIX, TracedCall, trace_call
+from tread_fx.passes.trace_support import has_call_hooks
 from tread_fx.runtime.guards import check_traced_value
 
 __all__ = ["InlineBlock", "EXAMPLE_KEY", "find_token_tables", "inline_token_tables", "pack"]
@@ -223,6 +224,8 @@ def _fetch(root: nn.Module, target: str) -> Any:
 
 def _trace_block(gm: fx.GraphModule, block: BlockCall, example: Any) -> TracedCall | None:
     module = gm.get_submodule(block.node.target)
+    if any(has_call_hooks(m) for m in module.modules()):
+        return None  # FSDP units, checkpoint wrappers, user hooks: never called an extra time
     args, kwargs = example
     try:
         traced = trace_call(module, tuple(args), dict(kwargs), leaf_paths=set())
