@@ -175,6 +175,13 @@ def _argument_name(block: Any, key: tuple) -> str:
     return positional[key[1]].name if key[1] < len(positional) else f"arg{key[1]}"
 
 
+def _dict_keys_holding(user: fx.Node, node: fx.Node) -> set[str]:
+    """Keys under which a block receives ``node`` inside a dict argument (diffusers'
+    ``attention_kwargs={"attention_mask": mask}``): the value is known by its key."""
+    args = [*user.args, *user.kwargs.values()]
+    return {k for a in args if isinstance(a, dict) for k, v in a.items() if v is node}
+
+
 def _side_value(g, node, users, region, info, layout, block_nodes) -> SideValue:
     names, classes = set(), set()
     for user in users:
@@ -182,6 +189,7 @@ def _side_value(g, node, users, region, info, layout, block_nodes) -> SideValue:
             for key, arg in input_slots(user).items():
                 if arg is node:
                     names.add(_argument_name(block_nodes[user], key))
+            names |= _dict_keys_holding(user, node)
             classes.add(type(block_nodes[user]))
     combined = any(
         u.op in ("call_function", "call_method")
@@ -379,7 +387,6 @@ def plan_route(
     if follows is not None:
         return _plan_piece(gm, g, info, route, follows, change, strict)
     shift = crossing_prefix(g, info, route)
-    check_no_token_tables_inside(gm, info, route)
     region, stream_start, stream_end = _region(g, info, route)
     meta = stream_start.meta["tread_meta"]
     layout = StreamLayout(

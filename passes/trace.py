@@ -250,6 +250,7 @@ class ValueTracer(fx.Tracer):
         self.module_stack: list[str] = []
         self.running_eager = 0
         self.checkpointed: set[int] = set()
+        self.example_classes: set[type] = set()
 
     # -- values -----------------------------------------------------------------------------
     def proxy(self, node: fx.Node) -> fx.Proxy:
@@ -331,11 +332,21 @@ class ValueTracer(fx.Tracer):
             node.meta["tread_where"] = user_frame()
         if kind == "call_module" and id(self.root.get_submodule(target)) in self.checkpointed:
             node.meta["tread_checkpoint"] = True
+        if kind == "call_module" and target in self.leaf_paths:
+            self._keep_example_inputs(node, target, args, kwargs)
         self.values[node] = value
         node.meta["tread_meta"] = _meta_of(value)
         if self._is_tainted(kind, target, node, value):
             self.tainted.add(node)
         return proxy
+
+    def _keep_example_inputs(self, node: fx.Node, target: str, args, kwargs) -> None:
+        """Keep the real inputs of each leaf class's first call (``passes/inline_tables.py``
+        traces routed blocks through on them; the pipeline drops them after planning)."""
+        cls = type(self.root.get_submodule(target))
+        if cls not in self.example_classes:
+            self.example_classes.add(cls)
+            node.meta["tread_example_inputs"] = self._values((args, kwargs))
 
     def create_arg(self, a: Any) -> Any:
         """Give ``get_attr`` nodes that fx makes for tensor attributes their value and meta.

@@ -55,6 +55,8 @@ def _sana_inputs():
 
 
 ROUTED = {
+    # the [N, N] relative position index inside each block: traced through, bias cut
+    "timm-beit": Case("beit", lambda: timm.create_model("beit_base_patch16_224", **VIT), _images),
     "diffusers-sana-rows": Case("sana", _sana, _sana_inputs, route_kwargs={"selection": "rows"}),
     "diffusers-sana-auto": Case("sana", _sana, _sana_inputs),  # the default picks rows
     # the class-attention blocks' (tokens, cls) hand-off is unclear: the stack ends before them
@@ -208,11 +210,6 @@ REFUSED = {
         Case("sana", _sana, _sana_inputs, route_kwargs={"selection": "random"}),
         tread_fx.errors.SelectionError,
         "height=4 and width=4 as numbers",
-    ),
-    "timm-beit": (
-        Case("beit", lambda: timm.create_model("beit_base_patch16_224", **VIT), _images),
-        tread_fx.errors.SideInputError,
-        "relative_position_index of shape",
     ),
 }
 

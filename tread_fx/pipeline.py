@@ -26,13 +26,20 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
+from tread_fx.adapters.token_tables import take_rows
 from tread_fx.config import RoutingConfig
 from tread_fx.errors import SelectionError, SideInputError, TokenStreamError
 from tread_fx.passes.forms import cut_at_route_ends, form_changes, locate_tokens, needs_split
+from tread_fx.passes.inline_tables import (
+    InlineBlock,
+    drop_examples,
+    find_token_tables,
+    inline_token_tables,
+)
 from tread_fx.passes.locate import StreamInfo, block_leaf_paths, locate, resolve_block_lists
-from tread_fx.passes.plan import RoutePlan, graph_to_networkx, plan_route
+from tread_fx.passes.plan import Crossing, RoutePlan, graph_to_networkx, plan_route
 from tread_fx.passes.rewrite import append_route_outputs, rewrite_route
-from tread_fx.passes.streams import grid_in_block_arguments
+from tread_fx.passes.streams import check_no_token_tables_inside, grid_in_block_arguments
 from tread_fx.passes.trace import TracedCall, trace_call
 from tread_fx.routes import Route
 from tread_fx.runtime.selection import get_strategy
@@ -172,6 +179,38 @@ def _apply_share_selection(plan: RoutePlan, share: bool | None) -> None:
     plan.shared_selection = share
 
 
+def _token_tables(traced, info: StreamInfo, plan: RoutePlan, share: bool | None) -> list:
+    """Routed blocks that build token tables inside (traced through, see
+    ``passes/inline_tables.py``); their route's selection is shared across the batch."""
+    route = plan.route
+    found = find_token_tables(traced.gm, info.blocks[route.start : route.end], plan.layout)
+    handled = frozenset(f.block.index for f in found)
+    check_no_token_tables_inside(traced.gm, info, route, handled)
+    if found and share is False:
+        raise SideInputError(
+            f"route ({route.start}, {route.end}) runs blocks that build token tables inside "
+            f"({found[0].describe()}); the tables have no batch dim, so they can follow the "
+            "kept tokens only if every sample keeps the same ones, but share_selection=False "
+            "was asked for. Pass share_selection=None (the default), or choose a route "
+            "without these blocks."
+        )
+    if found:
+        plan.shared_selection = True
+    return found
+
+
+def _inline(traced, plan: RoutePlan, idx, found: list[InlineBlock]) -> None:
+    """Inline the blocks with token tables and list the cut tables among the route's
+    entering values (so ``explain`` shows them)."""
+    for block in found:
+        before = set(traced.gm.graph.nodes)
+        inline_token_tables(traced.gm, traced.wrapper, block, idx, plan.index)
+        cut = [n for n in traced.gm.graph.nodes if n not in before and n.target is take_rows]
+        for node in cut:
+            reason = f"in-block token table: {block.describe()}"
+            plan.entering.append(Crossing(node, take_rows, reason, list(node.users)))
+
+
 def build(model: nn.Module, args: tuple, kwargs: dict, config: RoutingConfig) -> Built:
     """Trace ``model(*args, **kwargs)`` and rewrite it with the configured routes.
 
@@ -195,7 +234,7 @@ def build(model: nn.Module, args: tuple, kwargs: dict, config: RoutingConfig) ->
     splits = _split_routes(traced, info, routes, args, kwargs)
     strategy = _resolve_auto(traced, info, routes, config, grid, splits)
     embedded = info.blocks[0].stream_in
-    plans, idx_nodes = [], []
+    plans, idx_nodes, inlined = [], [], []
     for i, route in enumerate(routes):
         if i in splits:
             build_args = (strategy, grid, config, embedded, traced.wrapper)
@@ -205,9 +244,13 @@ def build(model: nn.Module, args: tuple, kwargs: dict, config: RoutingConfig) ->
             continue
         plan = plan_route(traced.gm, info, route, i, strategy, grid, config.strict)
         _apply_share_selection(plan, config.share_selection)
+        inlined.append(_token_tables(traced, info, plan, config.share_selection))
         idx_nodes.append(rewrite_route(traced.gm, plan, strategy, config.reinsert, embedded))
         plans.append(plan)
         if config.fp32_reentry and plan.end_block is not None:
             plan.end_block.node.meta["tread_fp32"] = True
+    for plan, idx, found in zip(plans, idx_nodes, inlined):
+        _inline(traced, plan, idx, found)
+    drop_examples(traced.gm)
     num_outputs = append_route_outputs(traced.gm, idx_nodes)
     return Built(traced, info, routes, plans, num_outputs, strategy.name)

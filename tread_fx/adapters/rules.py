@@ -2,14 +2,14 @@
 
 Each rule is an :class:`~tread_fx.adapters.registry.Adapter`; its ``doc`` says what it
 assumes. The registry consults user adapters first, then these:
-``conditioning-by-name``, ``rope-timm-eva``, ``rope-per-sample``, ``rope-batch-shared``,
-``rope-other-stream``, ``attention-mask``, ``attention-mask-shared``, ``position-ids``,
-``position-ids-shared``, ``token-index-shared``, ``stream-derived``, ``residual``.
+``broadcast-over-tokens``, ``conditioning-by-name``, ``rope-timm-eva``, ``rope-per-sample``,
+``rope-batch-shared``, ``rope-other-stream``, ``attention-mask``, ``attention-mask-shared``,
+``position-ids``, ``position-ids-shared``, ``token-index-shared``, ``stream-derived``, ``residual``.
 
 Example:
     >>> from tread_fx.adapters.rules import BUILTIN_ADAPTERS
     >>> [a.name for a in BUILTIN_ADAPTERS][:2]
-    ['conditioning-by-name', 'rope-timm-eva']
+    ['broadcast-over-tokens', 'conditioning-by-name']
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from tread_fx.adapters.token_tables import (
     take_rows,
     tensor_metas,
 )
+from tread_fx.adapters.values import TensorMeta
 
 __all__ = ["BUILTIN_ADAPTERS"]
 
@@ -151,7 +152,39 @@ def _token_index_rows(side: SideValue) -> RowMap | None:
     return find_rows(side, batch=None, features_last=False, all_dims=False)
 
 
+_SAME_VALUE = frozenset({"contiguous", "clone", "detach", "to", "float", "half", "bfloat16",
+                         "type_as"})  # fmt: skip
+_EXPANDS = frozenset({"expand", "expand_as", "broadcast_to", "repeat"})
+
+
+def _expanded_over_tokens(side: SideValue) -> bool:
+    """A token-aligned value made by expanding (or repeating) a token dim of size 1 to N, e.g.
+    per-sample modulation ``t.unsqueeze(0).expand(S, -1, -1)``: all its token rows are equal."""
+    if not side.token_aligned:
+        return False
+    node = side.node
+    while node.op == "call_method" and node.target in _SAME_VALUE and node.args:
+        node = node.args[0]
+    expands = node.op == "call_method" and node.target in _EXPANDS
+    expands = expands or (node.op == "call_function" and node.target is torch.broadcast_to)
+    source = node.args[0].meta.get("tread_meta") if expands else None
+    dim = side.stream.token_dim
+    return isinstance(source, TensorMeta) and dim < len(source.shape) and source.shape[dim] == 1
+
+
 BUILTIN_ADAPTERS: tuple[Adapter, ...] = (
+    Adapter(
+        name="broadcast-over-tokens",
+        matches=_expanded_over_tokens,
+        action="gather",
+        doc=(
+            "A token-aligned value expanded (or repeated) from a token dim of size 1 to N "
+            "(per-sample adaLN modulation expanded over the tokens, under any name, "
+            "conditioning names included): its rows are all equal, so gathering the kept "
+            "tokens' rows is exact."
+        ),
+        builtin=True,
+    ),
     Adapter(
         name="conditioning-by-name",
         matches=lambda side: bool(side.arg_names) and side.arg_names <= _CONTEXT_NAMES,

@@ -166,21 +166,26 @@ def _stream_tokens(gm: fx.GraphModule, block: BlockCall, shapes: dict, token_dim
 
 def _blocks(model, built, original, shapes, profiles) -> list[BlockReport]:
     info = built.info
-    route_of = {i: p.index for p in built.plans for i in range(p.route.start, p.route.end)}
+    route_of = {i: p for p in built.plans for i in range(p.route.start, p.route.end)}
+    called = set(block_nodes(built.gm, [b.path for b in info.blocks]).values())
+    routed_costs = iter(profiles[1].blocks if profiles is not None else ())
     reports = []
     for i, block in enumerate(info.blocks):
+        inlined = block.path not in called  # traced through: its token tables are cut
         report = BlockReport(
             i,
             block.path,
             type(model.get_submodule(block.path)).__name__,
-            route_of.get(i),
+            route_of[i].index if i in route_of else None,
             _stream_tokens(original.gm, block, shapes[0], info.token_dim),
-            _stream_tokens(built.gm, block, shapes[1], info.token_dim),
+            route_of[i].kept_tokens
+            if inlined
+            else _stream_tokens(built.gm, block, shapes[1], info.token_dim),
             node_original=_block_node(original.gm, block.path).name,
-            node_routed=_block_node(built.gm, block.path).name,
+            node_routed="(inlined)" if inlined else _block_node(built.gm, block.path).name,
         )
-        if profiles is not None:
-            report.original, report.routed = profiles[0].blocks[i], profiles[1].blocks[i]
+        if profiles is not None and not inlined:  # inlined blocks count outside the blocks
+            report.original, report.routed = profiles[0].blocks[i], next(routed_costs)
         reports.append(report)
     return reports
 

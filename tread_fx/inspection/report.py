@@ -350,7 +350,9 @@ def _blocks_section(exp: Explanation, s: Style) -> list[str]:
         if b.tokens_routed != b.tokens_original:
             tokens = s(tokens, "cyan")
         row = [str(b.index), b.path, b.cls, tokens, "-" if b.route is None else str(b.route)]
-        if costs:
+        if costs and (b.original is None or b.routed is None):  # inlined: counted outside
+            row += ["-"] * 5
+        elif costs:
             row += [
                 fmt_flops(b.original.forward.flops),
                 fmt_flops(b.routed.forward.flops),
