@@ -230,7 +230,12 @@ def _tensor_slots(node: fx.Node) -> dict[SlotKey, fx.Node]:
     }
 
 
-def _first_stream_slot(block: BlockCall, primary: fx.Node, block_nodes: set) -> SlotKey:
+def _first_stream_slot(
+    block: BlockCall, primary: fx.Node, block_nodes: set, following: BlockCall | None
+) -> SlotKey:
+    """The argument of the first block that holds the stream: fed by the main input and,
+    among those, handed on from block to block (a per-token modulation or a mask built
+    from the input is passed unchanged to every block); the largest such tensor."""
     slots = _tensor_slots(block.node)
     if not slots:
         raise TokenStreamError(
@@ -238,6 +243,14 @@ def _first_stream_slot(block: BlockCall, primary: fx.Node, block_nodes: set) -> 
         )
     from_primary = [k for k, n in slots.items() if n is primary or primary in ancestors(n, set())]
     pool = from_primary or list(slots)
+    if following is not None and following.list_path == block.list_path:
+        next_in = input_slots(following.node)
+        handed = [
+            k
+            for k in pool
+            if k in next_in and block.node in ancestors(next_in[k], block_nodes) | {next_in[k]}
+        ]
+        pool = handed or pool
     return max(pool, key=lambda k: _num_elements(slots[k]))
 
 
@@ -285,7 +298,8 @@ def _assign_stream_slots(blocks: list[BlockCall], primary: fx.Node, block_nodes:
     for i, block in enumerate(blocks):
         prev = blocks[i - 1] if i else None
         if prev is None:
-            block.in_slot = _first_stream_slot(block, primary, block_nodes)
+            following = blocks[1] if len(blocks) > 1 else None
+            block.in_slot = _first_stream_slot(block, primary, block_nodes, following)
         elif prev.list_path == block.list_path:
             block.in_slot = prev.in_slot
         else:

@@ -26,6 +26,7 @@ import torch.fx as fx
 from torch import nn
 
 from tread_fx.errors import AmbiguousBlockStackError, BlockStackNotFoundError
+from tread_fx.passes.dataflow import data_ancestors
 from tread_fx.passes.trace import MODEL_PREFIX, TensorMeta, TracedCall
 
 __all__ = [
@@ -110,15 +111,9 @@ def block_leaf_paths(model: nn.Module, list_paths: Iterable[str]) -> set[str]:
 
 
 def ancestors(node: fx.Node, stop: set[fx.Node]) -> set[fx.Node]:
-    seen, todo = set(), [node]
-    while todo:
-        n = todo.pop()
-        for a in n.all_input_nodes:
-            if a not in seen:
-                seen.add(a)
-                if a not in stop:
-                    todo.append(a)
-    return seen
+    """Nodes whose values reach ``node`` (dtype/device/shape-only uses such as
+    ``mask.type_as(x)`` do not count: :mod:`tread_fx.passes.dataflow`)."""
+    return data_ancestors(node, stop)
 
 
 def block_calls(traced: TracedCall, list_paths: list[str]) -> dict[str, list[fx.Node]]:
