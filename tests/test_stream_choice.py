@@ -82,7 +82,8 @@ def test_dtype_device_and_shape_uses_are_not_data_flow():
 
 
 class ModulatedBlock(nn.Module):
-    """adaLN with a per-token modulation [B, N, 6, D] (shift/scale/gate for attn and MLP)."""
+    """adaLN with a per-token modulation [B, N, 6, D] (shift/scale/gate for attn and MLP),
+    received under a conditioning name (``temb``), yet gathered per token."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -90,8 +91,8 @@ class ModulatedBlock(nn.Module):
         self.norm = nn.LayerNorm(D, elementwise_affine=False)
         self.qkv, self.proj, self.mlp = nn.Linear(D, 3 * D), nn.Linear(D, D), nn.Linear(D, D)
 
-    def forward(self, x, modulation):
-        shift, scale, gate, shift2, scale2, gate2 = (self.table + modulation).unbind(2)
+    def forward(self, x, temb):
+        shift, scale, gate, shift2, scale2, gate2 = (self.table + temb).unbind(2)
         h = self.norm(x) * (1 + scale) + shift
         q, k, v = self.qkv(h).unflatten(-1, (3, H, D // H)).permute(2, 0, 3, 1, 4)
         mixed = F.scaled_dot_product_attention(q, k, v)
