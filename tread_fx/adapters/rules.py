@@ -2,9 +2,9 @@
 
 Each rule is an :class:`~tread_fx.adapters.registry.Adapter`; its ``doc`` says what it
 assumes. The registry consults user adapters first, then these:
-``per-token-modulation``, ``conditioning-by-name``, ``rope-timm-eva``, ``rope-per-sample``, ``rope-batch-shared``,
-``attention-mask``, ``attention-mask-shared``, ``position-ids``, ``position-ids-shared``,
-``token-index-shared``, ``stream-derived``, ``residual``.
+``per-token-modulation``, ``conditioning-by-name``, ``rope-timm-eva``, ``rope-per-sample``,
+``rope-batch-shared``, ``attention-mask``, ``attention-mask-shared``, ``position-ids``,
+``position-ids-shared``, ``token-index-shared``, ``stream-derived``, ``residual``.
 
 Example:
     >>> from tread_fx.adapters.rules import BUILTIN_ADAPTERS
