@@ -32,6 +32,7 @@ from tread_fx.passes.stacks import (
     main_input,
     resolve_block_lists,
 )
+from tread_fx.passes.token_major import check_stream_rank
 from tread_fx.passes.trace import MODEL_PREFIX, TensorMeta, TracedCall
 
 __all__ = [
@@ -160,19 +161,14 @@ def locate(
             chain = chain[: chain.index(err.list_path)]
     carried = {p: _carried_slots([b for b in blocks if b.list_path == p]) for p in chain}
     meta = blocks[0].stream_in.meta.get("tread_meta")
-    if not isinstance(meta, TensorMeta) or len(meta.shape) != 3:
-        found = (
-            f"a {len(meta.shape)}-D tensor of shape {list(meta.shape)}"
-            if isinstance(meta, TensorMeta)
-            else repr(meta)
-        )
+    if not isinstance(meta, TensorMeta):
         raise TokenStreamError(
             f"no token sequence flows through {', '.join(chain)}: the value entering block "
-            f"{blocks[0].path} is {found}, not a 3-D [batch, tokens, dim] (or [tokens, batch, "
-            "dim]) tensor (a 4-D value is a feature map such as [B, C, H, W], whose axes are "
-            "not tokens). tread_fx routes token sequences only: pass blocks= naming a "
-            "container whose blocks take token sequences, or route a token-based backbone."
+            f"{blocks[0].path} is {meta!r}, not a tensor; pass blocks= naming a container "
+            "whose blocks take token sequences."
         )
+    first = model.get_submodule(blocks[0].path)
+    check_stream_rank(first, blocks[0].path, chain, meta.shape)
     batch_dim, token_dim, batch = _layout(meta, primary)
     num_tokens = meta.shape[token_dim]
     prefix = _prefix(model, keep_prefix, blocks[0].stream_in, primary, token_dim, num_tokens)

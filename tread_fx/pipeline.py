@@ -28,6 +28,7 @@ from tread_fx.errors import SelectionError, SideInputError
 from tread_fx.passes.locate import StreamInfo, block_leaf_paths, locate, resolve_block_lists
 from tread_fx.passes.plan import RoutePlan, plan_route
 from tread_fx.passes.rewrite import append_route_outputs, rewrite_route
+from tread_fx.passes.token_major import GRID_ROWS, is_token_major
 from tread_fx.passes.trace import TracedCall, trace_call
 from tread_fx.routes import Route
 from tread_fx.runtime.selection import get_strategy
@@ -142,8 +143,11 @@ def build(model: nn.Module, args: tuple, kwargs: dict, config: RoutingConfig) ->
     traced = trace_call(model, args, kwargs, block_leaf_paths(model, list_paths))
     info = locate(traced, model, list_paths, config.blocks is not None, config.keep_prefix)
     routes = config.routes_for(info.depth)
-    grid = _grid_for(model, config, info)
-    strategy = _resolve_auto(traced, info, routes, config, grid)
+    if is_token_major(info.stream_meta.shape):  # whole dim-1 slices: rows of a grid
+        grid, strategy = None, GRID_ROWS
+    else:
+        grid = _grid_for(model, config, info)
+        strategy = _resolve_auto(traced, info, routes, config, grid)
     embedded = info.blocks[0].stream_in
     plans, idx_nodes = [], []
     for i, route in enumerate(routes):

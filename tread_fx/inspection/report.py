@@ -433,6 +433,8 @@ def format_report(exp: Explanation, color: bool = False) -> str:
         f"  {st['num_tokens']} tokens, {st['prefix']} prefix token(s) kept{grid}; "
         f"selection '{st['selection']}'",
     ]
+    if st.get("unit"):
+        lines.append(f"  routed unit: {st['unit']}")
     lines += _routes_section(exp, s) + _blocks_section(exp, s) + _flops_section(exp, s)
     lines += [s("Graph diff (networkx; matched by op, target, module path)", "bold")]
     lines += ["  " + line for line in str(exp.diff).splitlines()]
