@@ -346,13 +346,40 @@ def _layout(meta: TensorMeta, primary: fx.Node) -> tuple[int, int, int]:
     pmeta = primary.meta.get("tread_meta")
     batch = pmeta.shape[0] if isinstance(pmeta, TensorMeta) and pmeta.shape else meta.shape[0]
     if meta.shape[0] == batch:
-        return 0, 1, batch
-    if meta.shape[1] == batch:
-        return 1, 0, batch
-    raise TokenStreamError(
-        f"the token stream has shape {meta.shape}, but the batch size {batch} (dim 0 of the "
-        "first input) is in neither of its first two dims; tread_fx needs [B, N, ...] or "
-        "[N, B, ...] streams."
+        layout = 0, 1, batch
+    elif meta.shape[1] == batch:
+        layout = 1, 0, batch
+    else:
+        raise TokenStreamError(
+            f"the token stream has shape {tuple(meta.shape)}, but the batch size {batch} (dim 0 "
+            f"of the first input) is in neither of its first two dims{_folded(meta, batch)}; "
+            "tread_fx needs [B, N, ...] or [N, B, ...] streams: pass blocks= naming a stack "
+            "whose blocks see the batch unfolded, or route a model that keeps it."
+        )
+    if meta.shape[layout[1]] < 2:
+        raise TokenStreamError(
+            f"the token stream has shape {tuple(meta.shape)}: sequences of "
+            f"{meta.shape[layout[1]]} token (dim {layout[1]}), so routing would save nothing. "
+            "Route a stack whose blocks see longer sequences (pass blocks=), or drop the route."
+        )
+    return layout
+
+
+def _folded(meta: TensorMeta, batch: int) -> str:
+    """Why the batch is missing: folded with other axes into dim 0 (frames, positions)."""
+    rows = meta.shape[0]
+    if rows <= batch or rows % batch:
+        return ""
+    return (
+        f": dim 0 ({rows}) folds the batch with other axes ({rows // batch} sequences per "
+        f"sample of {meta.shape[1]} token(s) each, e.g. frames or spatial positions), and "
+        "the blocks between may mix those sequences (temporal attention across frames), so "
+        "a subset chosen per folded row would not be one consistent selection per sample"
+        + (
+            " (and sequences of 1 token: routing them would save nothing)"
+            if meta.shape[1] < 2
+            else ""
+        )
     )
 
 

@@ -65,6 +65,12 @@ def check_stream_rank(block: nn.Module, block_path: str, lists: list[str], shape
             f"({shape[1]}) as channels, or nothing in it reads the last dim ({shape[-1]}) as "
             "channels, so its axes are not tokens"
         )
+    elif len(shape) == 2:
+        why = (
+            "a [tokens, dim] value without a batch dim: a packed stream (the samples' tokens "
+            "concatenated along one axis, their boundaries kept in index tensors) or "
+            "per-sample vectors; selecting tokens per sample needs a batch dim"
+        )
     else:
         why = f"a {len(shape)}-D value has no [batch, tokens, ...] layout tread_fx can route"
     raise TokenStreamError(
