@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from third_party_checks import (
     Case,
+    check_compiled,
     check_eval_is_bitwise_unrouted,
     check_gradients,
     check_rate_zero_equals_training,
@@ -147,3 +148,9 @@ def test_the_stream_is_the_handed_on_value(case):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_invariants(case, check):
     check(case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_compiled(case):
+    check_compiled(case)

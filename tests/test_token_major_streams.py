@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from third_party_checks import (
     Case,
+    check_compiled,
     check_eval_is_bitwise_unrouted,
     check_gradients,
     check_rate_zero_equals_training,
@@ -195,3 +196,9 @@ def test_a_channels_first_feature_map_is_refused():
     model = tread_fx.route(ConvNet(), routes=[(1, 3)], rate=0.5).train()
     with pytest.raises(TokenStreamError, match=r"\[B, C, H, W\].*read dim 1 \(32\)"):
         model(torch.randn(B, 3, 8, 8))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_compiled(case):
+    check_compiled(case)
