@@ -90,6 +90,7 @@ class StreamInfo:
     primary: fx.Node
     carried: dict[str, dict[tuple, SlotKey]] = field(default_factory=dict)
     stream_after: fx.Node | None = None
+    folded: int = 1  # dim 0 holds batch_size * folded rows (frames or positions folded in)
 
     @property
     def depth(self) -> int:
@@ -169,7 +170,7 @@ def locate(
         )
     first = model.get_submodule(blocks[0].path)
     check_stream_rank(first, blocks[0].path, chain, meta.shape)
-    batch_dim, token_dim, batch = _layout(meta, primary)
+    batch_dim, token_dim, batch, folded = _layout(meta, primary)
     num_tokens = meta.shape[token_dim]
     prefix = _prefix(model, keep_prefix, blocks[0].stream_in, primary, token_dim, num_tokens)
     return StreamInfo(
@@ -184,6 +185,7 @@ def locate(
         primary,
         carried,
         _stream_after_last(blocks),
+        folded,
     )
 
 
@@ -342,45 +344,39 @@ def _carried_slots(blocks: list[BlockCall]) -> dict[tuple, SlotKey]:
     return carried
 
 
-def _layout(meta: TensorMeta, primary: fx.Node) -> tuple[int, int, int]:
+def _layout(meta: TensorMeta, primary: fx.Node) -> tuple[int, int, int, int]:
+    """(batch dim, token dim, batch size, rows folded per sample) of the stream.
+
+    A stream whose dim 0 holds a multiple of the batch (``[B * F, N, C]``: frames or
+    positions folded into the batch) is routed per folded row with one selection shared by
+    all rows, so every folded sequence of every sample keeps the same tokens (blocks that
+    mix the folded sequences, temporal attention across frames, then see consistent ones).
+    """
     pmeta = primary.meta.get("tread_meta")
     batch = pmeta.shape[0] if isinstance(pmeta, TensorMeta) and pmeta.shape else meta.shape[0]
-    if meta.shape[0] == batch:
+    rows, folded = meta.shape[0], 1
+    if rows == batch:
         layout = 0, 1, batch
     elif meta.shape[1] == batch:
         layout = 1, 0, batch
+    elif rows > batch and rows % batch == 0:
+        layout, folded = (0, 1, rows), rows // batch
     else:
         raise TokenStreamError(
             f"the token stream has shape {tuple(meta.shape)}, but the batch size {batch} (dim 0 "
-            f"of the first input) is in neither of its first two dims{_folded(meta, batch)}; "
-            "tread_fx needs [B, N, ...] or [N, B, ...] streams: pass blocks= naming a stack "
-            "whose blocks see the batch unfolded, or route a model that keeps it."
+            "of the first input) is in neither of its first two dims nor folded into dim 0; "
+            "tread_fx needs [B, N, ...], [N, B, ...] or [B * F, N, ...] streams: pass blocks= "
+            "naming a stack whose blocks see the batch, or route a model that keeps it."
         )
     if meta.shape[layout[1]] < 2:
         raise TokenStreamError(
             f"the token stream has shape {tuple(meta.shape)}: sequences of "
-            f"{meta.shape[layout[1]]} token (dim {layout[1]}), so routing would save nothing. "
-            "Route a stack whose blocks see longer sequences (pass blocks=), or drop the route."
+            f"{meta.shape[layout[1]]} token (dim {layout[1]}"
+            + (f"; dim 0 folds {folded} sequences per sample into the batch" if folded > 1 else "")
+            + "), so routing would save nothing. Route a stack whose blocks see longer "
+            "sequences (pass blocks=), or drop the route."
         )
-    return layout
-
-
-def _folded(meta: TensorMeta, batch: int) -> str:
-    """Why the batch is missing: folded with other axes into dim 0 (frames, positions)."""
-    rows = meta.shape[0]
-    if rows <= batch or rows % batch:
-        return ""
-    return (
-        f": dim 0 ({rows}) folds the batch with other axes ({rows // batch} sequences per "
-        f"sample of {meta.shape[1]} token(s) each, e.g. frames or spatial positions), and "
-        "the blocks between may mix those sequences (temporal attention across frames), so "
-        "a subset chosen per folded row would not be one consistent selection per sample"
-        + (
-            " (and sequences of 1 token: routing them would save nothing)"
-            if meta.shape[1] < 2
-            else ""
-        )
-    )
+    return (*layout, folded)
 
 
 def _prefix(model, keep_prefix, stream0: fx.Node, primary, token_dim: int, num_tokens: int) -> int:

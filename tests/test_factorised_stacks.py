@@ -2,9 +2,11 @@
 
 Spatial blocks attend over the tokens of each frame (``[B * F, N, C]``), temporal blocks over
 the frames of each position (``[B * N, F, C]``); the model reshapes between them. A route
-over one stack would also run the other stack's blocks on the kept tokens, and a subset per
-folded row (per frame) is no consistent per-sample selection once the temporal blocks mix
-frames: tread_fx refuses, listing the candidate stacks with their token counts and why.
+over one stack also runs the other stack's blocks on the kept tokens, so the data flow cannot
+tell which to route: tread_fx refuses, listing the candidate stacks with their token counts.
+With ``blocks=`` either stack routes: the stream's dim 0 folds frames (or positions) into the
+batch, and one selection shared by all folded rows keeps the same tokens in every frame of
+every video, so the other stack's blocks (which mix the frames) see consistent sequences.
 """
 
 from __future__ import annotations
@@ -12,10 +14,18 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from third_party_checks import (
+    Case,
+    capture_block_inputs,
+    check_eval_is_bitwise_unrouted,
+    check_gradients,
+    check_rate_zero_equals_training,
+    check_routed_shape_count_and_change,
+)
 from torch import nn
 
 import tread_fx
-from tread_fx.errors import AmbiguousBlockStackError, TokenStreamError
+from tread_fx.errors import AmbiguousBlockStackError, SelectionError, TokenStreamError
 
 B, FRAMES, N, C = 2, 4, 16, 32
 
@@ -40,11 +50,12 @@ class FactorisedVideoDiT(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [B, F, N, 4]
         b, f, n, _ = x.shape
         h = self.embed(x).reshape(b * f, n, C)
-        for spatial, temporal in zip(self.spatial, self.temporal):
+        for spatial, temporal in zip(self.spatial, self.temporal):  # sizes read from h
             h = spatial(h)
-            h = h.reshape(b, f, n, C).transpose(1, 2).reshape(b * n, f, C)
-            h = temporal(h)
-            h = h.reshape(b, n, f, C).transpose(1, 2).reshape(b * f, n, C)
+            h = h.reshape(b, -1, h.shape[-2], C).transpose(1, 2)
+            h = temporal(h.reshape(-1, h.shape[-2], C))
+            h = h.reshape(b, -1, h.shape[-2], C).transpose(1, 2)
+            h = h.reshape(-1, h.shape[-2], C)
         return self.out(h).reshape(b, f, n, 4)
 
 
@@ -81,11 +92,49 @@ def test_interleaved_stacks_are_listed_with_their_token_counts():
     assert "interleaved" in message and "blocks=" in message
 
 
-def test_a_stack_on_a_folded_batch_is_refused_with_the_reason():
-    with pytest.raises(TokenStreamError, match=r"folds the batch .*\(4 sequences per sample"):
-        _first_call(FactorisedVideoDiT(), _video(), blocks="spatial")
+CASES = [
+    Case("spatial", FactorisedVideoDiT, lambda: ((_video(),), {}), [(1, 4)], {"blocks": "spatial"}),
+    Case(
+        "temporal", FactorisedVideoDiT, lambda: ((_video(),), {}), [(1, 4)], {"blocks": "temporal"}
+    ),
+]
+CHECKS = [
+    check_eval_is_bitwise_unrouted,
+    check_rate_zero_equals_training,
+    check_routed_shape_count_and_change,
+    check_gradients,
+]
+
+
+@pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_invariants_of_either_stack_on_the_folded_batch(case, check):
+    check(case)
+
+
+def test_every_frame_of_every_video_keeps_the_same_tokens():
+    model = CASES[0].route(CASES[0].model()).train()
+    with capture_block_inputs(model.temporal[2]) as calls:
+        model(_video())
+    (info,) = tread_fx.route_info(model)
+    assert info.kept.shape == (B * FRAMES, N // 2) and (info.kept == info.kept[:1]).all()
+    # the temporal block between two routed spatial blocks sees every frame of the kept tokens
+    assert calls[-1][0][0].shape == (B * (N // 2), FRAMES, C)
+
+
+def test_explain_and_flops_of_the_spatial_stack():
+    exp = tread_fx.explain(CASES[0].model(), [(1, 4)], 0.5, ((_video(),), {}), blocks="spatial")
+    assert exp.stream["shape"] == [B * FRAMES, N, C] and exp.stream["folded"] == FRAMES
+    assert "folds 4 sequences per sample" in str(exp)
+    assert exp.flops.speedup > 1.2
+
+
+def test_share_selection_false_is_refused_on_a_folded_batch():
+    model = CASES[0].route(CASES[0].model(), share_selection=False).train()
+    with pytest.raises(SelectionError, match="folds 4 sequences .* share_selection=False"):
+        model(_video())
 
 
 def test_sequences_of_one_frame_are_never_routed():
-    with pytest.raises(TokenStreamError, match="sequences of 1 token: routing them would save"):
+    with pytest.raises(TokenStreamError, match=r"sequences of 1 token .*would save nothing"):
         _first_call(TemporalOnly(), _video(frames=1))

@@ -124,6 +124,22 @@ def _apply_share_selection(plan: RoutePlan, share: bool | None) -> None:
     plan.shared_selection = share
 
 
+def _share_across_folded_rows(plan: RoutePlan, info: StreamInfo, share: bool | None) -> None:
+    """A stream with frames or positions folded into its batch dim keeps the same tokens in
+    every row: blocks that mix the folded sequences then see consistent ones."""
+    if info.folded == 1:
+        return
+    if share is False:
+        route = plan.route
+        raise SelectionError(
+            f"route ({route.start}, {route.end}) routes a stream whose dim 0 folds "
+            f"{info.folded} sequences (frames or positions) of each sample into the batch "
+            f"({info.batch_size} rows), which must all keep the same tokens, but "
+            "share_selection=False was asked for. Pass share_selection=None (the default)."
+        )
+    plan.shared_selection = True
+
+
 def build(model: nn.Module, args: tuple, kwargs: dict, config: RoutingConfig) -> Built:
     """Trace ``model(*args, **kwargs)`` and rewrite it with the configured routes.
 
@@ -153,6 +169,7 @@ def build(model: nn.Module, args: tuple, kwargs: dict, config: RoutingConfig) ->
     for i, route in enumerate(routes):
         plan = plan_route(traced.gm, info, route, i, strategy, grid, config.strict)
         _apply_share_selection(plan, config.share_selection)
+        _share_across_folded_rows(plan, info, config.share_selection)
         idx_nodes.append(rewrite_route(traced.gm, plan, strategy, config.reinsert, embedded))
         plans.append(plan)
         if config.fp32_reentry and plan.end_block is not None:

@@ -210,6 +210,7 @@ def _stream(built: Built, selection: str) -> dict[str, Any]:
         "grid": list(grid) if grid else None,
         "selection": selection,
         "unit": token_major_unit(meta.shape),
+        "folded": info.folded,
         "enters_at": info.blocks[0].path,
     }
 
