@@ -313,6 +313,7 @@ def _assign_stream_slots(blocks: list[BlockCall], primary: fx.Node, block_nodes:
                     f"e.g. blocks={prev.list_path!r} to route only the blocks before it.",
                 )
             block.in_slot = keys[0]
+            _check_handed_on(block, blocks[i + 1] if i + 1 < len(blocks) else None, block_nodes)
         slots = input_slots(block.node)
         if block.in_slot not in slots:
             raise TokenStreamError(
@@ -328,6 +329,21 @@ def _assign_stream_slots(blocks: list[BlockCall], primary: fx.Node, block_nodes:
             block.out_slot = _out_slot(block, following, block_nodes)
         outs = output_slots(block.node)
         block.stream_out = block.node if block.out_slot is None else outs[block.out_slot]
+
+
+def _check_handed_on(block: BlockCall, following: BlockCall | None, block_nodes: set) -> None:
+    """A later list continues the stack only if its blocks hand the stream on: CaiT's
+    class-attention blocks take the same token stream each and hand on the class token."""
+    if following is None or following.list_path != block.list_path:
+        return
+    value = input_slots(following.node).get(block.in_slot)
+    if value is None or block.node not in ancestors(value, block_nodes) | {value}:
+        raise _UnclearHandOff(
+            block.list_path,
+            f"the blocks of {block.list_path} do not hand the token stream on from one to the "
+            f"next (block {following.path} receives in {block.in_slot} a value that does not "
+            f"come from block {block.path}); pass blocks= naming the lists that do.",
+        )
 
 
 def _carried_slots(blocks: list[BlockCall]) -> dict[tuple, SlotKey]:

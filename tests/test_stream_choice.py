@@ -154,3 +154,43 @@ def test_invariants(case, check):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_compiled(case):
     check_compiled(case)
+
+
+class ClassAttention(nn.Module):
+    """Attends from the class token to [cls, tokens]; returns the new class token only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.kv, self.proj = nn.Linear(D, D), nn.Linear(D, 2 * D), nn.Linear(D, D)
+
+    def forward(self, x, cls):
+        both = torch.cat([cls, x], dim=1)
+        k, v = self.kv(both).chunk(2, dim=-1)
+        return cls + self.proj(F.scaled_dot_product_attention(self.q(cls), k, v))
+
+
+class ClassAttentionViT(nn.Module):
+    """Self-attention blocks, then class-attention blocks that all take the same tokens and
+    hand on the class token, made with ``expand(x.shape[0], ...)`` (a shape-only use)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Linear(4, D), nn.Linear(D, 3)
+        self.cls = nn.Parameter(torch.randn(1, 1, D) * 0.02)
+        self.blocks = nn.ModuleList(MaskedBlock() for _ in range(4))
+        self.cls_blocks = nn.ModuleList(ClassAttention() for _ in range(2))
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x, None)
+        cls = self.cls.expand(x.shape[0], -1, -1)
+        for block in self.cls_blocks:
+            cls = block(x, cls)
+        return self.head(cls[:, 0])
+
+
+def test_a_list_that_does_not_hand_the_stream_on_ends_the_stack():
+    exp = tread_fx.explain(ClassAttentionViT(), [(1, -1)], 0.5, _modulation_inputs()[0][:1])
+    assert [s["path"] for s in exp.stacks] == ["blocks"]
+    assert exp.flops.speedup > 1.05
