@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from third_party_checks import (
     Case,
     capture_block_inputs,
+    check_compiled,
     check_eval_is_bitwise_unrouted,
     check_gradients,
     check_rate_zero_equals_training,
@@ -138,3 +139,8 @@ def test_share_selection_false_is_refused_on_a_folded_batch():
 def test_sequences_of_one_frame_are_never_routed():
     with pytest.raises(TokenStreamError, match=r"sequences of 1 token .*would save nothing"):
         _first_call(TemporalOnly(), _video(frames=1))
+
+
+@pytest.mark.slow
+def test_compiled_spatial_stack():
+    check_compiled(CASES[0])
