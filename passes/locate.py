@@ -33,6 +33,7 @@ from tread_fx.passes.stacks import (
     main_input,
     resolve_block_lists,
 )
+from tread_fx.passes.token_major import check_stream_rank
 from tread_fx.passes.trace import MODEL_PREFIX, TensorMeta, TracedCall
 
 __all__ = [
@@ -91,6 +92,7 @@ class StreamInfo:
     carried: dict[str, dict[tuple, SlotKey]] = field(default_factory=dict)
     stream_after: fx.Node | None = None
     form_cuts: set[int] = field(default_factory=set)  # blocks a route split ends before
+    folded: int = 1  # dim 0 holds batch_size * folded rows (frames or positions folded in)
 
     @property
     def depth(self) -> int:
@@ -163,20 +165,15 @@ def locate(
             chain = chain[: chain.index(err.list_path)]
     carried = {p: _carried_slots([b for b in blocks if b.list_path == p]) for p in chain}
     meta = blocks[0].stream_in.meta.get("tread_meta")
-    if not isinstance(meta, TensorMeta) or len(meta.shape) != 3:
-        found = (
-            f"a {len(meta.shape)}-D tensor of shape {list(meta.shape)}"
-            if isinstance(meta, TensorMeta)
-            else repr(meta)
-        )
+    if not isinstance(meta, TensorMeta):
         raise TokenStreamError(
             f"no token sequence flows through {', '.join(chain)}: the value entering block "
-            f"{blocks[0].path} is {found}, not a 3-D [batch, tokens, dim] (or [tokens, batch, "
-            "dim]) tensor (a 4-D value is a feature map such as [B, C, H, W], whose axes are "
-            "not tokens). tread_fx routes token sequences only: pass blocks= naming a "
-            "container whose blocks take token sequences, or route a token-based backbone."
+            f"{blocks[0].path} is {meta!r}, not a tensor; pass blocks= naming a container "
+            "whose blocks take token sequences."
         )
-    batch_dim, token_dim, batch = _layout(meta, primary, _list_batch(traced, primary))
+    first = model.get_submodule(blocks[0].path)
+    check_stream_rank(first, blocks[0].path, chain, meta.shape)
+    batch_dim, token_dim, batch, folded = _layout(meta, primary, _list_batch(traced, primary))
     num_tokens = meta.shape[token_dim]
     prefix = _prefix(model, keep_prefix, blocks[0].stream_in, primary, token_dim, num_tokens)
     return StreamInfo(
@@ -191,6 +188,7 @@ def locate(
         primary,
         carried,
         _stream_after_last(blocks),
+        folded,
     )
 
 
@@ -233,7 +231,12 @@ def _tensor_slots(node: fx.Node) -> dict[SlotKey, fx.Node]:
     }
 
 
-def _first_stream_slot(block: BlockCall, primary: fx.Node, block_nodes: set) -> SlotKey:
+def _first_stream_slot(
+    block: BlockCall, primary: fx.Node, block_nodes: set, following: BlockCall | None
+) -> SlotKey:
+    """The argument of the first block that holds the stream: fed by the main input and,
+    among those, handed on from block to block (a per-token modulation or a mask built
+    from the input is passed unchanged to every block); the largest such tensor."""
     slots = _tensor_slots(block.node)
     if not slots:
         raise TokenStreamError(
@@ -241,6 +244,14 @@ def _first_stream_slot(block: BlockCall, primary: fx.Node, block_nodes: set) -> 
         )
     from_primary = [k for k, n in slots.items() if n is primary or primary in ancestors(n, set())]
     pool = from_primary or list(slots)
+    if following is not None and following.list_path == block.list_path:
+        next_in = input_slots(following.node)
+        handed = [
+            k
+            for k in pool
+            if k in next_in and block.node in ancestors(next_in[k], block_nodes) | {next_in[k]}
+        ]
+        pool = handed or pool
     return max(pool, key=lambda k: _num_elements(slots[k]))
 
 
@@ -288,7 +299,8 @@ def _assign_stream_slots(blocks: list[BlockCall], primary: fx.Node, block_nodes:
     for i, block in enumerate(blocks):
         prev = blocks[i - 1] if i else None
         if prev is None:
-            block.in_slot = _first_stream_slot(block, primary, block_nodes)
+            following = blocks[1] if len(blocks) > 1 else None
+            block.in_slot = _first_stream_slot(block, primary, block_nodes, following)
         elif prev.list_path == block.list_path:
             block.in_slot = prev.in_slot
         else:
@@ -305,6 +317,7 @@ def _assign_stream_slots(blocks: list[BlockCall], primary: fx.Node, block_nodes:
                     f"e.g. blocks={prev.list_path!r} to route only the blocks before it.",
                 )
             block.in_slot = keys[0]
+            _check_handed_on(block, blocks[i + 1] if i + 1 < len(blocks) else None, block_nodes)
         slots = input_slots(block.node)
         if block.in_slot not in slots:
             raise TokenStreamError(
@@ -340,6 +353,21 @@ def _same_form_as_first(keys: list, slots: dict, first: BlockCall) -> list:
     return alike if len(alike) == 1 else keys
 
 
+def _check_handed_on(block: BlockCall, following: BlockCall | None, block_nodes: set) -> None:
+    """A later list continues the stack only if its blocks hand the stream on: CaiT's
+    class-attention blocks take the same token stream each and hand on the class token."""
+    if following is None or following.list_path != block.list_path:
+        return
+    value = input_slots(following.node).get(block.in_slot)
+    if value is None or block.node not in ancestors(value, block_nodes) | {value}:
+        raise _UnclearHandOff(
+            block.list_path,
+            f"the blocks of {block.list_path} do not hand the token stream on from one to the "
+            f"next (block {following.path} receives in {block.in_slot} a value that does not "
+            f"come from block {block.path}); pass blocks= naming the lists that do.",
+        )
+
+
 def _carried_slots(blocks: list[BlockCall]) -> dict[tuple, SlotKey]:
     """Map each output slot of a block to the input slot of the next block it feeds."""
     if len(blocks) < 2 or isinstance(blocks[0].node.meta.get("tread_meta"), TensorMeta):
@@ -372,20 +400,43 @@ def _list_batch(traced: TracedCall, primary: fx.Node) -> int | None:
     return None
 
 
-def _layout(meta: TensorMeta, primary: fx.Node, listed: int | None = None) -> tuple[int, int, int]:
+def _layout(
+    meta: TensorMeta, primary: fx.Node, listed: int | None = None
+) -> tuple[int, int, int, int]:
+    """(batch dim, token dim, batch size, rows folded per sample) of the stream.
+
+    A stream whose dim 0 holds a multiple of the batch (``[B * F, N, C]``: frames or
+    positions folded into the batch) is routed per folded row with one selection shared by
+    all rows, so every folded sequence of every sample keeps the same tokens (blocks that
+    mix the folded sequences, temporal attention across frames, then see consistent ones).
+    """
     pmeta = primary.meta.get("tread_meta")
     batch = pmeta.shape[0] if isinstance(pmeta, TensorMeta) and pmeta.shape else meta.shape[0]
-    batch = listed if listed is not None else batch
-    if meta.shape[0] == batch:
-        return 0, 1, batch
-    if meta.shape[1] == batch:
-        return 1, 0, batch
-    raise TokenStreamError(
-        f"the token stream has shape {meta.shape}, but the batch size {batch} (dim 0 of the "
-        "first input) is in neither of its first two dims; tread_fx needs [B, N, ...] or "
-        "[N, B, ...] streams (a main input given as a list of per-sample tensors has the "
-        "list's length as its batch size)."
-    )
+    batch = listed if listed is not None else batch  # a list of per-sample tensors
+    rows, folded = meta.shape[0], 1
+    if rows == batch:
+        layout = 0, 1, batch
+    elif meta.shape[1] == batch:
+        layout = 1, 0, batch
+    elif rows > batch and rows % batch == 0:
+        layout, folded = (0, 1, rows), rows // batch
+    else:
+        raise TokenStreamError(
+            f"the token stream has shape {tuple(meta.shape)}, but the batch size {batch} (dim 0 "
+            "of the first input) is in neither of its first two dims nor folded into dim 0; "
+            "tread_fx needs [B, N, ...], [N, B, ...] or [B * F, N, ...] streams: pass blocks= "
+            "naming a stack whose blocks see the batch, or route a model that keeps it (a main "
+            "input given as a list of per-sample tensors has the list's length as batch size)."
+        )
+    if meta.shape[layout[1]] < 2:
+        raise TokenStreamError(
+            f"the token stream has shape {tuple(meta.shape)}: sequences of "
+            f"{meta.shape[layout[1]]} token (dim {layout[1]}"
+            + (f"; dim 0 folds {folded} sequences per sample into the batch" if folded > 1 else "")
+            + "), so routing would save nothing. Route a stack whose blocks see longer "
+            "sequences (pass blocks=), or drop the route."
+        )
+    return (*layout, folded)
 
 
 def _prefix(model, keep_prefix, stream0: fx.Node, primary, token_dim: int, num_tokens: int) -> int:

@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Iterable, Sequence
 
@@ -26,6 +27,7 @@ import torch.fx as fx
 from torch import nn
 
 from tread_fx.errors import AmbiguousBlockStackError, BlockStackNotFoundError
+from tread_fx.passes.dataflow import data_ancestors
 from tread_fx.passes.trace import MODEL_PREFIX, TensorMeta, TracedCall
 
 __all__ = [
@@ -110,15 +112,9 @@ def block_leaf_paths(model: nn.Module, list_paths: Iterable[str]) -> set[str]:
 
 
 def ancestors(node: fx.Node, stop: set[fx.Node]) -> set[fx.Node]:
-    seen, todo = set(), [node]
-    while todo:
-        n = todo.pop()
-        for a in n.all_input_nodes:
-            if a not in seen:
-                seen.add(a)
-                if a not in stop:
-                    todo.append(a)
-    return seen
+    """Nodes whose values reach ``node`` (dtype/device/shape-only uses such as
+    ``mask.type_as(x)`` do not count: :mod:`tread_fx.passes.dataflow`)."""
+    return data_ancestors(node, stop)
 
 
 def block_calls(traced: TracedCall, list_paths: list[str]) -> dict[str, list[fx.Node]]:
@@ -243,9 +239,39 @@ def _choose_chain(model: nn.Module, chains: list[list[str]], calls, explicit: bo
     if len(top) > 1:
         raise AmbiguousBlockStackError(
             f"several block stacks of {best} blocks qualify in {type(model).__name__}: "
-            f"{[' + '.join(c) for c in top]}; pass blocks='<path>' to route() to choose one."
+            f"{[' + '.join(c) for c in top]} ({'; '.join(_describe(c, calls) for c in top)})"
+            f"{_interleaving(top, calls)}; pass blocks='<path>' to route() to choose one."
         )
     return top[0]
+
+
+def _describe(chain: list[str], calls: dict[str, list[fx.Node]]) -> str:
+    """``path: 4 blocks, [8, 16, 32] (16 tokens)``: the largest tensor entering its first block."""
+    first = calls[chain[0]][0]
+    metas = [
+        m for a in first.all_input_nodes if isinstance(m := a.meta.get("tread_meta"), TensorMeta)
+    ]
+    shapes = [tuple(m.shape) for m in metas if len(m.shape) >= 2]
+    count = sum(len(calls[p]) for p in chain)
+    if not shapes:
+        return f"{' + '.join(chain)}: {count} blocks"
+    shape = max(shapes, key=lambda sh: math.prod(sh))
+    tokens = f" ({shape[1]} tokens)" if len(shape) >= 3 else ""
+    return f"{' + '.join(chain)}: {count} blocks on {list(shape)}{tokens}"
+
+
+def _interleaving(chains: list[list[str]], calls: dict[str, list[fx.Node]]) -> str:
+    """A note when the stacks' blocks alternate (factorised spatial/temporal attention)."""
+    order = {n: i for i, n in enumerate(calls[chains[0][0]][0].graph.nodes)}
+    spans = [(order[calls[c[0]][0]], order[calls[c[-1]][-1]]) for c in chains]
+    if not any(a[0] < b[0] < a[1] for a in spans for b in spans if a != b):
+        return ""
+    return (
+        ". Their blocks are interleaved: one stream alternates between them, reshaped in "
+        "between (e.g. spatial attention over the tokens of each frame, temporal attention "
+        "over the frames of each position, the batch folded with frames or positions); "
+        "a route over one stack also runs the other stack's blocks on the kept tokens"
+    )
 
 
 def forward_path(source: fx.Node, target: fx.Node) -> list[fx.Node]:

@@ -40,6 +40,7 @@ from tread_fx.passes.locate import StreamInfo, block_leaf_paths, locate, resolve
 from tread_fx.passes.plan import Crossing, RoutePlan, graph_to_networkx, plan_route
 from tread_fx.passes.rewrite import append_route_outputs, rewrite_route
 from tread_fx.passes.streams import check_no_token_tables_inside, grid_in_block_arguments
+from tread_fx.passes.token_major import GRID_ROWS, is_token_major
 from tread_fx.passes.trace import TracedCall, trace_call
 from tread_fx.routes import Route
 from tread_fx.runtime.selection import get_strategy
@@ -211,6 +212,22 @@ def _inline(traced, plan: RoutePlan, idx, found: list[InlineBlock]) -> None:
             plan.entering.append(Crossing(node, take_rows, reason, list(node.users)))
 
 
+def _share_across_folded_rows(plan: RoutePlan, info: StreamInfo, share: bool | None) -> None:
+    """A stream with frames or positions folded into its batch dim keeps the same tokens in
+    every row: blocks that mix the folded sequences then see consistent ones."""
+    if info.folded == 1:
+        return
+    if share is False:
+        route = plan.route
+        raise SelectionError(
+            f"route ({route.start}, {route.end}) routes a stream whose dim 0 folds "
+            f"{info.folded} sequences (frames or positions) of each sample into the batch "
+            f"({info.batch_size} rows), which must all keep the same tokens, but "
+            "share_selection=False was asked for. Pass share_selection=None (the default)."
+        )
+    plan.shared_selection = True
+
+
 def build(model: nn.Module, args: tuple, kwargs: dict, config: RoutingConfig) -> Built:
     """Trace ``model(*args, **kwargs)`` and rewrite it with the configured routes.
 
@@ -230,9 +247,12 @@ def build(model: nn.Module, args: tuple, kwargs: dict, config: RoutingConfig) ->
     traced = trace_call(model, args, kwargs, block_leaf_paths(model, list_paths))
     info = locate(traced, model, list_paths, config.blocks is not None, config.keep_prefix)
     routes = config.routes_for(info.depth)
-    grid = _grid_for(model, config, info)
     splits = _split_routes(traced, info, routes, args, kwargs)
-    strategy = _resolve_auto(traced, info, routes, config, grid, splits)
+    if is_token_major(info.stream_meta.shape):  # whole dim-1 slices: rows of a grid
+        grid, strategy = None, GRID_ROWS
+    else:
+        grid = _grid_for(model, config, info)
+        strategy = _resolve_auto(traced, info, routes, config, grid, splits)
     embedded = info.blocks[0].stream_in
     plans, idx_nodes, inlined = [], [], []
     for i, route in enumerate(routes):
@@ -241,10 +261,12 @@ def build(model: nn.Module, args: tuple, kwargs: dict, config: RoutingConfig) ->
             plan, kept = _plan_split(traced.gm, info, route, i, splits[i], build_args)
             plans.append(plan)
             idx_nodes.append(kept)
+            inlined.append([])
             continue
         plan = plan_route(traced.gm, info, route, i, strategy, grid, config.strict)
         _apply_share_selection(plan, config.share_selection)
         inlined.append(_token_tables(traced, info, plan, config.share_selection))
+        _share_across_folded_rows(plan, info, config.share_selection)
         idx_nodes.append(rewrite_route(traced.gm, plan, strategy, config.reinsert, embedded))
         plans.append(plan)
         if config.fp32_reentry and plan.end_block is not None:

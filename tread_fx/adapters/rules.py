@@ -2,14 +2,15 @@
 
 Each rule is an :class:`~tread_fx.adapters.registry.Adapter`; its ``doc`` says what it
 assumes. The registry consults user adapters first, then these:
-``broadcast-over-tokens``, ``conditioning-by-name``, ``rope-timm-eva``, ``rope-per-sample``,
-``rope-batch-shared``, ``rope-other-stream``, ``attention-mask``, ``attention-mask-shared``,
-``position-ids``, ``position-ids-shared``, ``token-index-shared``, ``stream-derived``, ``residual``.
+``broadcast-over-tokens``, ``per-token-modulation``, ``conditioning-by-name``,
+``rope-timm-eva``, ``rope-per-sample``, ``rope-batch-shared``, ``rope-other-stream``,
+``attention-mask``, ``attention-mask-shared``, ``position-ids``, ``position-ids-shared``,
+``token-index-shared``, ``stream-derived``, ``residual``.
 
 Example:
     >>> from tread_fx.adapters.rules import BUILTIN_ADAPTERS
-    >>> [a.name for a in BUILTIN_ADAPTERS][:2]
-    ['broadcast-over-tokens', 'conditioning-by-name']
+    >>> [a.name for a in BUILTIN_ADAPTERS][:3]
+    ['broadcast-over-tokens', 'per-token-modulation', 'conditioning-by-name']
 """
 
 from __future__ import annotations
@@ -172,6 +173,18 @@ def _expanded_over_tokens(side: SideValue) -> bool:
     return isinstance(source, TensorMeta) and dim < len(source.shape) and source.shape[dim] == 1
 
 
+def _per_token_modulation(side: SideValue) -> bool:
+    """A conditioning value with one modulation set per token: [B, N, k, d] (rank above 3)."""
+    metas = tensor_metas(side.meta)
+    return (
+        side.token_aligned
+        and bool(side.arg_names)
+        and side.arg_names <= _CONTEXT_NAMES
+        and metas is not None
+        and len(metas[0].shape) > 3
+    )
+
+
 BUILTIN_ADAPTERS: tuple[Adapter, ...] = (
     Adapter(
         name="broadcast-over-tokens",
@@ -182,6 +195,18 @@ BUILTIN_ADAPTERS: tuple[Adapter, ...] = (
             "(per-sample adaLN modulation expanded over the tokens, under any name, "
             "conditioning names included): its rows are all equal, so gathering the kept "
             "tokens' rows is exact."
+        ),
+        builtin=True,
+    ),
+    Adapter(
+        name="per-token-modulation",
+        matches=_per_token_modulation,
+        action="gather",
+        doc=(
+            "A conditioning value (temb, timestep, ...) of rank 4 or more with the batch "
+            "and token dims of the stream, e.g. a per-token adaLN modulation [B, N, 6, d] "
+            "(per-token timesteps): each token's modulation set is gathered with its kept "
+            "ids. A text stream under such a name is [B, T, d] and stays passed through."
         ),
         builtin=True,
     ),

@@ -54,6 +54,7 @@ from tread_fx.inspection.inputs import example_inputs as make_example_inputs
 from tread_fx.passes.locate import BlockCall, block_leaf_paths, candidate_stacks, input_slots
 from tread_fx.passes.plan import Crossing
 from tread_fx.passes.rewrite import Reinsert
+from tread_fx.passes.token_major import token_major_unit
 from tread_fx.passes.trace import trace_call
 from tread_fx.pipeline import Built, build
 
@@ -213,6 +214,8 @@ def _stream(built: Built, selection: str) -> dict[str, Any]:
         "prefix": info.prefix,
         "grid": list(grid) if grid else None,
         "selection": selection,
+        "unit": token_major_unit(meta.shape),
+        "folded": info.folded,
         "enters_at": info.blocks[0].path,
     }
 

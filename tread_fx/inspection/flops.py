@@ -308,8 +308,20 @@ def _signature(gm: fx.GraphModule, node: fx.Node, path: str, args: tuple, kwargs
         (tuple(v.shape), v.dtype, v.requires_grad) if isinstance(v, torch.Tensor) else repr(v)
         for v in flat
     )
-    key = (type(module), repr(module), described, str(spec))
+    key = (type(module), repr(module), _settings(module), described, str(spec))
     return _Signature(key, module, flat, spec, positions)
+
+
+def _settings(module: nn.Module) -> tuple:
+    """Plain attributes of the module and its children (a ``window_size`` that ``repr``
+    leaves out): blocks of one class that differ in them cost differently."""
+    plain = (bool, int, float, str, tuple, type(None))
+    return tuple(
+        (path, name, value)
+        for path, sub in module.named_modules()
+        for name, value in vars(sub).items()
+        if not name.startswith("_") and name != "training" and isinstance(value, plain)
+    )
 
 
 def _call(sig: _Signature) -> Callable:

@@ -435,6 +435,13 @@ def format_report(exp: Explanation, color: bool = False) -> str:
         f"  {st['num_tokens']} tokens, {st['prefix']} prefix token(s) kept{grid}; "
         f"selection '{st['selection']}'",
     ]
+    if st.get("unit"):
+        lines.append(f"  routed unit: {st['unit']}")
+    if st.get("folded", 1) > 1:
+        lines.append(
+            f"  dim 0 folds {st['folded']} sequences per sample (frames or positions) into the "
+            "batch: one selection shared by all rows, the same tokens in every folded sequence"
+        )
     lines += _routes_section(exp, s) + _blocks_section(exp, s) + _flops_section(exp, s)
     lines += [s("Graph diff (networkx; matched by op, target, module path)", "bold")]
     lines += ["  " + line for line in str(exp.diff).splitlines()]
