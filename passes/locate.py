@@ -188,7 +188,7 @@ def locate(
         primary,
         carried,
         _stream_after_last(blocks),
-        folded,
+        folded=folded,
     )
 
 
