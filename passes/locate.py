@@ -30,6 +30,7 @@ from tread_fx.passes.stacks import (
     candidate_stacks,
     choose_stack,
     forward_path,
+    input_slots,
     main_input,
     resolve_block_lists,
 )
@@ -97,20 +98,6 @@ class StreamInfo:
     @property
     def depth(self) -> int:
         return len(self.blocks)
-
-
-def input_slots(node: fx.Node) -> dict[SlotKey, fx.Node]:
-    """Map each argument position of ``node`` that holds a node to that node."""
-    slots: dict[SlotKey, fx.Node] = {}
-    items = [(("arg", i), a) for i, a in enumerate(node.args)]
-    items += [(("kwarg", k), a) for k, a in node.kwargs.items()]
-    while items:  # nested tuples too: image_rotary_emb=((cos, sin), None)
-        key, arg = items.pop(0)
-        if isinstance(arg, fx.Node):
-            slots[key] = arg
-        elif isinstance(arg, (tuple, list)):
-            items += [((*key, j), a) for j, a in enumerate(arg)]
-    return slots
 
 
 def output_slots(node: fx.Node) -> dict[tuple, fx.Node]:

@@ -39,6 +39,7 @@ __all__ = [
     "choose_stack",
     "ancestors",
     "forward_path",
+    "input_slots",
 ]
 
 
@@ -185,6 +186,37 @@ def _fed_by(node: fx.Node, source: fx.Node) -> bool:
     return node is source or source in ancestors(node, set())
 
 
+def input_slots(node: fx.Node) -> dict[tuple, fx.Node]:
+    """Map each argument position of ``node`` that holds a node to that node: ``("arg", i)``
+    or ``("kwarg", name)``, then ``(..., j, ...)`` into nested tuples
+    (``image_rotary_emb=((cos, sin), None)``)."""
+    slots: dict[tuple, fx.Node] = {}
+    items = [(("arg", i), a) for i, a in enumerate(node.args)]
+    items += [(("kwarg", k), a) for k, a in node.kwargs.items()]
+    while items:
+        key, arg = items.pop(0)
+        if isinstance(arg, fx.Node):
+            slots[key] = arg
+        elif isinstance(arg, (tuple, list)):
+            items += [((*key, j), a) for j, a in enumerate(arg)]
+    return slots
+
+
+def _stream_fed_by(nodes: list[fx.Node], primary: fx.Node) -> bool:
+    """Whether the value a list's blocks hand on to each other comes from ``primary``.
+
+    A text refiner also receives tables computed from the main input (RoPE built by a module
+    that reads the image shape), but what it hands from block to block is the text.
+    """
+    if len(nodes) < 2:
+        return _fed_by(nodes[0], primary)
+    first = input_slots(nodes[0])
+    handed = [k for k, v in input_slots(nodes[1]).items() if k in first and _fed_by(v, nodes[0])]
+    if not handed:
+        return _fed_by(nodes[0], primary)
+    return any(_fed_by(first[k], primary) for k in handed)
+
+
 def _chains(
     model: nn.Module, calls: dict[str, list[fx.Node]], primary: fx.Node | None = None
 ) -> list[list[str]]:
@@ -192,7 +224,7 @@ def _chains(
     # a list whose blocks never see the model's main input (a text refiner, a perceiver over
     # reference embeddings) neither heads nor competes with the stack the noisy input flows
     # through; when no list sees it (an unusual argument order) all stay candidates
-    fed = [p for p in valid if primary is not None and _fed_by(calls[p][0], primary)]
+    fed = [p for p in valid if primary is not None and _stream_fed_by(calls[p], primary)]
     valid = fed or valid
     order = {n: i for i, n in enumerate(calls[valid[0]][0].graph.nodes)} if valid else {}
     valid.sort(key=lambda p: order[calls[p][0]])

@@ -1,7 +1,8 @@
 """Which block list is the stack, when several lists of blocks run in one forward.
 
 The stack is the one the noisy input flows through, handing the stream from block to block:
-a text refiner (blocks over the text only) never heads it, and a perceiver list whose
+a text refiner (blocks handing on the text, even when they also read the image) never heads
+it, and a perceiver list whose
 outputs are added to the stream as a side branch never competes with it.
 """
 
@@ -56,6 +57,20 @@ class TextRefinerModel(nn.Module):
         return self.head(h)
 
 
+class ImageAwareTextRefinerModel(TextRefinerModel):
+    """The text refiner also reads a summary of the image: what it hands from block to block
+    is still the text, so it does not head the stack."""
+
+    def forward(self, x: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        summary = h.mean(dim=1, keepdim=True)  # [B, 1, D], computed from the noisy input
+        for block in self.refiner:
+            text = block(text, summary)
+        for block in self.blocks:
+            h = block(h, text)
+        return self.head(h)
+
+
 class PerceiverBranchModel(nn.Module):
     """A second list of blocks whose outputs are added to the stream (a side branch)."""
 
@@ -79,7 +94,10 @@ def _inputs():
     return (torch.randn(B, N, 4, generator=gen), torch.randn(B, T, D, generator=gen)), {}
 
 
-CASES = [Case(cls.__name__, cls, _inputs, routes=[(1, 3)]) for cls in (TextRefinerModel,)]
+CASES = [
+    Case(cls.__name__, cls, _inputs, routes=[(1, 3)])
+    for cls in (TextRefinerModel, ImageAwareTextRefinerModel)
+]
 CASES += [Case(PerceiverBranchModel.__name__, PerceiverBranchModel, _inputs, routes=[(1, 3)])]
 
 
