@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_mmdit_streams import JointBlock, SingleBlock  # the same joint and single blocks
 from third_party_checks import (
     Case,
     check_eval_is_bitwise_unrouted,
@@ -21,36 +22,6 @@ from torch import nn
 import tread_fx
 
 B, T, N, D, PAD = 2, 5, 16, 32, 3
-
-
-def _attend(q: torch.Tensor, kv: torch.Tensor, attn: nn.MultiheadAttention) -> torch.Tensor:
-    return attn(q, kv, kv, need_weights=False)[0]
-
-
-class JointBlock(nn.Module):
-    """Text and image attend over both; each stream keeps its own weights."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.attn = nn.MultiheadAttention(D, 2, batch_first=True)
-        self.text_mlp, self.image_mlp = nn.Linear(D, D), nn.Linear(D, D)
-
-    def forward(self, text: torch.Tensor, image: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        both = torch.cat([text, image], dim=1)
-        mixed = _attend(both, both, self.attn)
-        text, image = text + mixed[:, : text.shape[1]], image + mixed[:, text.shape[1] :]
-        return text + self.text_mlp(text), image + self.image_mlp(image)
-
-
-class SingleBlock(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.attn = nn.MultiheadAttention(D, 2, batch_first=True)
-        self.mlp = nn.Linear(D, D)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + _attend(x, x, self.attn)
-        return x + self.mlp(x)
 
 
 class PaddedJoint(nn.Module):
