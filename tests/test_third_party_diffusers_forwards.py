@@ -4,12 +4,14 @@ In the diffusers-suite sweep these models failed at the tracer: item assignment 
 tensor (PRX, LTX-2, Wan-Animate), Python read from tensor data (GLM-Image's per-token prior
 ids dropped per sample by a boolean index, HunyuanVideo 1.5's prompt lengths read from a
 mask), ``torch.finfo`` on a traced value (ACE-Step), a traced value passed to a C function
-(Cosmos); HiDream and Bria-FIBO move their image tokens into longer joint streams between
-blocks (per-sample buffers, a text suffix re-appended around every single block). The
-suite's own configurations of those two have one block per list, too shallow for a route.
-Each is built from a configuration written here (tiny, random weights) and checked against
-docs/design.md#invariants with ``route()``'s default arguments. The self-written models that
-pin each class are in ``test_trace_real_forwards.py``.
+(Cosmos). Lumina2, HiDream and Bria-FIBO move their image tokens into longer joint streams
+between blocks (per-sample buffers, a text suffix re-appended around every single block);
+OmniGen casts its mask with ``type_as(hidden_states)`` (not data flow: never the stream).
+The suite's own configurations of HiDream and Bria-FIBO have one block per list, too shallow
+for a route. Each is built from a configuration written here (tiny, random weights) and
+checked against docs/design.md#invariants with ``route()``'s default arguments. The
+self-written models that pin each class are in ``test_trace_real_forwards.py``,
+``test_stream_forms.py`` and ``test_stream_choice.py``.
 """
 
 from __future__ import annotations
@@ -136,6 +138,47 @@ def _bria_fibo_inputs() -> tuple[tuple, dict[str, Any]]:
     }
 
 
+def _lumina2() -> torch.nn.Module:
+    return diffusers.Lumina2Transformer2DModel(
+        sample_size=8, patch_size=2, in_channels=4, hidden_size=24, num_layers=4,
+        num_refiner_layers=2, num_attention_heads=3, num_kv_heads=1, multiple_of=2,
+        axes_dim_rope=(4, 2, 2), axes_lens=(64, 64, 64), cap_feat_dim=16,
+    )  # fmt: skip
+
+
+def _lumina2_inputs() -> tuple[tuple, dict[str, Any]]:
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    mask[1, 4:] = False  # a shorter prompt: the joint stream is padded per sample
+    return (), {
+        "hidden_states": _randn(2, 4, 8, 8),
+        "encoder_hidden_states": _randn(2, 6, 16, seed=1),
+        "timestep": torch.tensor([0.3, 0.7]),
+        "encoder_attention_mask": mask,
+    }
+
+
+def _omnigen() -> torch.nn.Module:
+    return diffusers.OmniGenTransformer2DModel(
+        in_channels=4, patch_size=2, hidden_size=16, num_attention_heads=4,
+        num_key_value_heads=4, intermediate_size=32, num_layers=4, vocab_size=100,
+        pad_token_id=0, rope_scaling={"long_factor": [1, 2], "short_factor": [1, 2]},
+        time_step_dim=4,
+    )  # fmt: skip
+
+
+def _omnigen_inputs() -> tuple[tuple, dict[str, Any]]:
+    length = 10 + 1 + 16  # text ids, the time token, the image tokens
+    return (), {
+        "hidden_states": _randn(2, 4, 8, 8),
+        "timestep": torch.tensor([0.3, 0.7]),
+        "input_ids": torch.randint(1, 100, (2, 10), generator=torch.Generator().manual_seed(1)),
+        "input_img_latents": [],
+        "input_image_sizes": {},
+        "attention_mask": torch.ones(2, length, length),  # cast with type_as(hidden_states)
+        "position_ids": torch.arange(length).expand(2, length),
+    }
+
+
 def _glm_image() -> torch.nn.Module:
     return diffusers.GlmImageTransformer2DModel(
         patch_size=2, in_channels=4, out_channels=4, num_layers=4, attention_head_dim=8,
@@ -221,6 +264,8 @@ CASES = [
     Case("PRX (item assignment)", _prx, _prx_inputs, routes=[(1, -1)]),
     Case("LTX-2 (item assignment)", _ltx2, _ltx2_inputs, routes=[(1, -1)]),
     Case("Wan-Animate (item assignment)", _wan_animate, _wan_animate_inputs, routes=[(1, -1)]),
+    Case("Lumina2 (per-sample joint stream)", _lumina2, _lumina2_inputs, routes=[(1, -1)]),
+    Case("OmniGen (mask cast with type_as)", _omnigen, _omnigen_inputs, routes=[(1, -1)]),
     Case("HiDream (per-sample joint stream)", _hidream, _hidream_inputs, routes=[(1, -1)]),
     Case("Bria-FIBO (joint stream)", _bria_fibo, _bria_fibo_inputs, routes=[(1, -1)]),
     Case("GLM-Image (data-derived Python)", _glm_image, _glm_image_inputs, routes=[(1, -1)]),
