@@ -12,6 +12,7 @@ import torch
 from test_mmdit_streams import JointBlock, SingleBlock  # the same joint and single blocks
 from third_party_checks import (
     Case,
+    check_compiled,
     check_eval_is_bitwise_unrouted,
     check_gradients,
     check_rate_zero_equals_training,
@@ -159,6 +160,12 @@ def test_invariants(case):
     check_rate_zero_equals_training(case)
     check_routed_shape_count_and_change(case)
     check_gradients(case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [PADDED, SUFFIX], ids=lambda c: c.name)
+def test_compiled_split_route(case):
+    check_compiled(case)
 
 
 class MixingHandOff(PaddedJoint):
