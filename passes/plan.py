@@ -175,11 +175,19 @@ def _argument_name(block: Any, key: tuple) -> str:
     return positional[key[1]].name if key[1] < len(positional) else f"arg{key[1]}"
 
 
-def _dict_keys_holding(user: fx.Node, node: fx.Node) -> set[str]:
-    """Keys under which a block receives ``node`` inside a dict argument (diffusers'
-    ``attention_kwargs={"attention_mask": mask}``): the value is known by its key."""
-    args = [*user.args, *user.kwargs.values()]
-    return {k for a in args if isinstance(a, dict) for k, v in a.items() if v is node}
+def _dict_keys_holding(block: Any, user: fx.Node, node: fx.Node) -> set[str]:
+    """``argument.key`` for each dict argument through which a block receives ``node``:
+    ``attention_kwargs.attention_mask``, ``rotary_emb.query``. Rules match either part
+    (the key names a mask; the argument names a rotary table)."""
+    items = [(("arg", i), a) for i, a in enumerate(user.args)]
+    items += [(("kwarg", k), a) for k, a in user.kwargs.items()]
+    return {
+        f"{_argument_name(block, slot)}.{k}"
+        for slot, a in items
+        if isinstance(a, dict)
+        for k, v in a.items()
+        if v is node
+    }
 
 
 def _side_value(g, node, users, region, info, layout, block_nodes) -> SideValue:
@@ -189,7 +197,7 @@ def _side_value(g, node, users, region, info, layout, block_nodes) -> SideValue:
             for key, arg in input_slots(user).items():
                 if arg is node:
                     names.add(_argument_name(block_nodes[user], key))
-            names |= _dict_keys_holding(user, node)
+            names |= _dict_keys_holding(block_nodes[user], user, node)
             classes.add(type(block_nodes[user]))
     combined = any(
         u.op in ("call_function", "call_method")

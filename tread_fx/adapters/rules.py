@@ -50,7 +50,11 @@ _MASK_NAMES = frozenset(
 
 
 def _received_as(side: SideValue, names: frozenset[str]) -> bool:
-    return bool(side.arg_names) and side.arg_names <= names
+    """Every name ``side`` is received under is one of ``names``; a value inside a dict
+    argument is received as ``argument.key`` and matches when either part does."""
+    return bool(side.arg_names) and all(
+        any(part in names for part in n.split(".")) for n in side.arg_names
+    )
 
 
 def _table_batch(side: SideValue) -> tuple[bool, int | None]:
@@ -72,7 +76,8 @@ def _received_as_rotary(side: SideValue) -> bool:
     """Received only under rotary names: the known ones, or names holding ``rope``,
     ``rotary`` or ``freqs`` (``cond_rope``, ``text_freqs``)."""
     return bool(side.arg_names) and all(
-        n in _ROTARY_NAMES or any(part in n for part in _ROTARY_PARTS) for n in side.arg_names
+        any(p in _ROTARY_NAMES or any(r in p for r in _ROTARY_PARTS) for p in n.split("."))
+        for n in side.arg_names
     )
 
 
@@ -179,7 +184,7 @@ def _per_token_modulation(side: SideValue) -> bool:
     return (
         side.token_aligned
         and bool(side.arg_names)
-        and side.arg_names <= _CONTEXT_NAMES
+        and _received_as(side, _CONTEXT_NAMES)
         and metas is not None
         and len(metas[0].shape) > 3
     )
@@ -212,7 +217,7 @@ BUILTIN_ADAPTERS: tuple[Adapter, ...] = (
     ),
     Adapter(
         name="conditioning-by-name",
-        matches=lambda side: bool(side.arg_names) and side.arg_names <= _CONTEXT_NAMES,
+        matches=lambda side: _received_as(side, _CONTEXT_NAMES),
         action="pass",
         doc=(
             "Values that blocks receive only under conditioning/context argument names "
