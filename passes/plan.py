@@ -27,6 +27,7 @@ import torch.fx as fx
 from tread_fx.adapters import SideValue, StreamLayout, adapters
 from tread_fx.errors import InvalidRateError, SelectionError, SideInputError, TokenStreamError
 from tread_fx.passes.locate import BlockCall, StreamInfo, input_slots, output_slots
+from tread_fx.passes.stacks import argument_items
 from tread_fx.passes.streams import (
     check_no_token_tables_inside,
     check_one_stream_length,
@@ -179,11 +180,9 @@ def _dict_keys_holding(block: Any, user: fx.Node, node: fx.Node) -> set[str]:
     """``argument.key`` for each dict argument through which a block receives ``node``:
     ``attention_kwargs.attention_mask``, ``rotary_emb.query``. Rules match either part
     (the key names a mask; the argument names a rotary table)."""
-    items = [(("arg", i), a) for i, a in enumerate(user.args)]
-    items += [(("kwarg", k), a) for k, a in user.kwargs.items()]
     return {
         f"{_argument_name(block, slot)}.{k}"
-        for slot, a in items
+        for slot, a in argument_items(user)
         if isinstance(a, dict)
         for k, v in a.items()
         if v is node

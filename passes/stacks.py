@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch.fx as fx
 from torch import nn
@@ -40,6 +41,7 @@ __all__ = [
     "ancestors",
     "forward_path",
     "input_slots",
+    "argument_items",
 ]
 
 
@@ -186,13 +188,18 @@ def _fed_by(node: fx.Node, source: fx.Node) -> bool:
     return node is source or source in ancestors(node, set())
 
 
+def argument_items(node: fx.Node) -> list[tuple[tuple, Any]]:
+    """``(("arg", i), value)`` and ``(("kwarg", name), value)`` for each argument of a call."""
+    items = [(("arg", i), a) for i, a in enumerate(node.args)]
+    return items + [(("kwarg", k), a) for k, a in node.kwargs.items()]
+
+
 def input_slots(node: fx.Node) -> dict[tuple, fx.Node]:
     """Map each argument position of ``node`` that holds a node to that node: ``("arg", i)``
     or ``("kwarg", name)``, then ``(..., j, ...)`` into nested tuples
     (``image_rotary_emb=((cos, sin), None)``)."""
     slots: dict[tuple, fx.Node] = {}
-    items = [(("arg", i), a) for i, a in enumerate(node.args)]
-    items += [(("kwarg", k), a) for k, a in node.kwargs.items()]
+    items = argument_items(node)
     while items:
         key, arg = items.pop(0)
         if isinstance(arg, fx.Node):

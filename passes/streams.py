@@ -21,6 +21,7 @@ import torch.fx as fx
 
 from tread_fx.errors import SideInputError, TokenStreamError
 from tread_fx.passes.locate import BlockCall, StreamInfo, input_slots, output_slots
+from tread_fx.passes.stacks import argument_items
 from tread_fx.passes.trace import TensorMeta
 from tread_fx.routes import Route
 
@@ -279,9 +280,7 @@ def grid_in_block_arguments(info: StreamInfo, tokens: int) -> tuple[int, ...] | 
 
 
 def _int_arguments(node: fx.Node) -> list[tuple[tuple, int]]:
-    items = [(("arg", i), a) for i, a in enumerate(node.args)]
-    items += [(("kwarg", k), a) for k, a in node.kwargs.items()]
-    return [(k, _int_value(a)) for k, a in items if _int_value(a) is not None]
+    return [(k, _int_value(a)) for k, a in argument_items(node) if _int_value(a) is not None]
 
 
 def _int_run(node: fx.Node, grid: tuple[int, ...]) -> list[tuple] | None:

@@ -187,17 +187,27 @@ def _token_tables(traced, info: StreamInfo, plan: RoutePlan, share: bool | None)
     found = find_token_tables(traced.gm, info.blocks[route.start : route.end], plan.layout)
     handled = frozenset(f.block.index for f in found)
     check_no_token_tables_inside(traced.gm, info, route, handled)
-    if found and share is False:
-        raise SideInputError(
-            f"route ({route.start}, {route.end}) runs blocks that build token tables inside "
-            f"({found[0].describe()}); the tables have no batch dim, so they can follow the "
-            "kept tokens only if every sample keeps the same ones, but share_selection=False "
-            "was asked for. Pass share_selection=None (the default), or choose a route "
-            "without these blocks."
-        )
     if found:
-        plan.shared_selection = True
+        _require_shared(
+            plan,
+            share,
+            SideInputError(
+                f"route ({route.start}, {route.end}) runs blocks that build token tables "
+                f"inside ({found[0].describe()}); the tables have no batch dim, so they can "
+                "follow the kept tokens only if every sample keeps the same ones, but "
+                "share_selection=False was asked for. Pass share_selection=None (the "
+                "default), or choose a route without these blocks."
+            ),
+        )
     return found
+
+
+def _require_shared(plan: RoutePlan, share: bool | None, refusal: Exception) -> None:
+    """The route must keep one subset for the whole batch: share it, or raise ``refusal``
+    when ``share_selection=False`` was asked for."""
+    if share is False:
+        raise refusal
+    plan.shared_selection = True
 
 
 def _inline(traced, plan: RoutePlan, idx, found: list[InlineBlock]) -> None:
@@ -217,15 +227,14 @@ def _share_across_folded_rows(plan: RoutePlan, info: StreamInfo, share: bool | N
     every row: blocks that mix the folded sequences then see consistent ones."""
     if info.folded == 1:
         return
-    if share is False:
-        route = plan.route
-        raise SelectionError(
-            f"route ({route.start}, {route.end}) routes a stream whose dim 0 folds "
-            f"{info.folded} sequences (frames or positions) of each sample into the batch "
-            f"({info.batch_size} rows), which must all keep the same tokens, but "
-            "share_selection=False was asked for. Pass share_selection=None (the default)."
-        )
-    plan.shared_selection = True
+    route = plan.route
+    refusal = SelectionError(
+        f"route ({route.start}, {route.end}) routes a stream whose dim 0 folds "
+        f"{info.folded} sequences (frames or positions) of each sample into the batch "
+        f"({info.batch_size} rows), which must all keep the same tokens, but "
+        "share_selection=False was asked for. Pass share_selection=None (the default)."
+    )
+    _require_shared(plan, share, refusal)
 
 
 def build(model: nn.Module, args: tuple, kwargs: dict, config: RoutingConfig) -> Built:
