@@ -54,11 +54,11 @@ class SingleBlock(nn.Module):
 class TextFirstMMDiT(nn.Module):
     """Takes ``(text, image)``: the text comes first, but the image is what is predicted."""
 
-    def __init__(self) -> None:
+    def __init__(self, joint: int = 3, single: int = 3) -> None:
         super().__init__()
         self.text_in, self.image_in = nn.Linear(8, D), nn.Linear(4, D)
-        self.joint_blocks = nn.ModuleList(JointBlock() for _ in range(3))
-        self.single_blocks = nn.ModuleList(SingleBlock() for _ in range(3))
+        self.joint_blocks = nn.ModuleList(JointBlock() for _ in range(joint))
+        self.single_blocks = nn.ModuleList(SingleBlock() for _ in range(single))
         self.out = nn.Linear(D, 4)
 
     def forward(self, text: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
@@ -97,6 +97,17 @@ def test_a_route_crosses_the_joint_to_single_concatenation():
     routed = [b.tokens_routed for b in exp.blocks]
     assert routed == [N, N // 2, N // 2, T + N // 2, T + N // 2, T + N]
     assert exp.flops.speedup > 1.1
+
+
+def test_routes_are_checked_against_the_chained_depth_of_unequal_lists():
+    """2 joint + 4 single blocks chain into 6: a route ending at 5 is valid, one at 7 is not."""
+    model = tread_fx.route(TextFirstMMDiT(joint=2, single=4), [(1, 5)], 0.5, seed=0)
+    assert model.train()(*_inputs()[0]).shape == (B, N, 4)
+    (info,) = tread_fx.route_info(model)
+    assert info.kept.shape[1] == N // 2
+    too_far = tread_fx.route(TextFirstMMDiT(joint=2, single=4), [(1, 7)], 0.5)
+    with pytest.raises(tread_fx.InvalidRouteError, match="6 blocks"):
+        too_far.train()(*_inputs()[0])
 
 
 @pytest.mark.parametrize("case", [CROSSING, INSIDE], ids=lambda c: c.name)

@@ -93,8 +93,12 @@ class RoutingConfig:
 
 
 def _known_depth(model: nn.Module, blocks: Any, list_paths: list[str]) -> int | None:
-    """The number of blocks when the stack is known without tracing (else ``None``)."""
-    paths = list_paths
+    """The number of blocks when the stack is known without tracing (else ``None``).
+
+    It is known when ``blocks=`` names the lists or the model has a single candidate list.
+    With several candidates the data flow decides at trace time which lists chain into the
+    stack (joint + single lists of unequal lengths), so routes are checked then.
+    """
     if blocks is None:
         stacks = candidate_stacks(model)
         if not stacks:
@@ -102,11 +106,10 @@ def _known_depth(model: nn.Module, blocks: Any, list_paths: list[str]) -> int | 
                 f"{type(model).__name__} has no ModuleList/Sequential of same-class modules to "
                 "route around; pass blocks='<attribute path>' naming the block container."
             )
-        longest = max(len(m) for m in stacks.values())
-        paths = [p for p, m in stacks.items() if len(m) == longest]
-        if len(paths) > 1:
+        if len(stacks) > 1:
             return None  # decided by data flow at trace time
-    return sum(len(model.get_submodule(p)) for p in paths)
+        list_paths = list(stacks)
+    return sum(len(model.get_submodule(p)) for p in list_paths)
 
 
 def resolve_config(
