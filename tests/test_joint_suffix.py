@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from third_party_checks import (
     Case,
     capture_block_inputs,
+    check_compiled,
     check_eval_is_bitwise_unrouted,
     check_gradients,
     check_rate_zero_equals_training,
@@ -105,6 +106,12 @@ def test_invariants(case):
     check_rate_zero_equals_training(case)
     check_routed_shape_count_and_change(case)
     check_gradients(case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [BOTH, ROPE], ids=lambda c: c.name)
+def test_compiled(case):
+    check_compiled(case)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
