@@ -23,6 +23,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from tread_fx.errors import TokenStreamError
+from tread_fx.passes.joint import joint_parts
 from tread_fx.passes.stacks import (
     ancestors,
     block_calls,
@@ -94,6 +95,7 @@ class StreamInfo:
     stream_after: fx.Node | None = None
     form_cuts: set[int] = field(default_factory=set)  # blocks a route split ends before
     folded: int = 1  # dim 0 holds batch_size * folded rows (frames or positions folded in)
+    suffix: int = 0  # trailing tokens never routed (text behind the image: passes/joint.py)
 
     @property
     def depth(self) -> int:
@@ -162,7 +164,9 @@ def locate(
     check_stream_rank(first, blocks[0].path, chain, meta.shape)
     batch_dim, token_dim, batch, folded = _layout(meta, primary, _list_batch(traced, primary))
     num_tokens = meta.shape[token_dim]
-    prefix = _prefix(model, keep_prefix, blocks[0].stream_in, primary, token_dim, num_tokens)
+    prefix, suffix = joint_parts(
+        model, keep_prefix, blocks[0].stream_in, primary, token_dim, num_tokens
+    )
     return StreamInfo(
         blocks,
         chain,
@@ -176,6 +180,7 @@ def locate(
         carried,
         _stream_after_last(blocks),
         folded=folded,
+        suffix=suffix,
     )
 
 
@@ -424,34 +429,3 @@ def _layout(
             "sequences (pass blocks=), or drop the route."
         )
     return (*layout, folded)
-
-
-def _prefix(model, keep_prefix, stream0: fx.Node, primary, token_dim: int, num_tokens: int) -> int:
-    if keep_prefix is not None:
-        return keep_prefix
-    declared = getattr(model, "num_prefix_tokens", None)
-    if isinstance(declared, int):
-        return declared
-    return _prefix_from_concat(stream0, primary, token_dim, num_tokens)
-
-
-def _prefix_from_concat(stream0: fx.Node, primary: fx.Node, token_dim: int, num_tokens: int) -> int:
-    """Count leading tokens concatenated in front of the input-derived tokens (cls, registers)."""
-    import torch
-
-    for node in ancestors(stream0, set()) | {stream0}:
-        if node.op != "call_function" or node.target is not torch.cat:
-            continue
-        parts = node.args[0]
-        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
-        out = node.meta.get("tread_meta")
-        if not isinstance(out, TensorMeta) or dim % len(out.shape) != token_dim:
-            continue
-        if out.shape[token_dim] != num_tokens:
-            continue
-        prefix = 0
-        for part in parts:
-            if part is primary or primary in ancestors(part, set()):
-                return prefix
-            prefix += part.meta["tread_meta"].shape[token_dim]
-    return 0

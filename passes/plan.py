@@ -121,10 +121,11 @@ def _is_token_aligned(meta: Any, layout: StreamLayout) -> bool:
 
 
 def _looks_token_aligned(side: SideValue) -> bool:
-    """Any dim (but a batch dim of size B) has N or N - prefix entries, e.g. a [N, d] table."""
+    """Any dim (but a batch dim of size B) has N, N - prefix or the routable count of
+    entries, e.g. a [N, d] table."""
     metas = side.meta if isinstance(side.meta, (tuple, list)) else (side.meta,)
     layout = side.stream
-    sizes = {layout.num_tokens, layout.num_tokens - layout.prefix}
+    sizes = {layout.num_tokens, layout.num_tokens - layout.prefix, layout.routable}
     return any(
         isinstance(m, TensorMeta)
         and any(
@@ -403,6 +404,7 @@ def plan_route(
         meta.shape[info.token_dim],
         stream_prefix(g, info, info.blocks[route.start]),
         grid if meta.shape[info.token_dim] == info.num_tokens else None,
+        info.suffix,  # a longer later stream keeps the image part (and its suffix) last
     )
     start = info.blocks[route.start]
     entering = _entering(g, (start, stream_start), region, info, layout, strict)
@@ -411,7 +413,7 @@ def plan_route(
     for crossing in leaving:
         if crossing.node is stream_end:
             crossing.prefix_shift = shift
-    units = strategy.units(layout.num_tokens - layout.prefix, grid)
+    units = strategy.units(layout.routable, grid)
     keep = kept_units(units, route.rate)
     if keep < 1 or units < 1:
         raise InvalidRateError(
@@ -426,7 +428,7 @@ def plan_route(
             f"nothing. Raise the rate to at least {1 / units:.3g}, or drop the route."
         )
     heights = _height_arguments(info, route, layout, strategy)
-    per_unit = (layout.num_tokens - layout.prefix) // units
+    per_unit = layout.routable // units
     end_block = info.blocks[route.end] if route.end < info.depth else None
     return RoutePlan(
         route,
@@ -441,7 +443,7 @@ def plan_route(
         layout,
         units,
         keep,
-        layout.prefix + keep * per_unit,
+        layout.prefix + keep * per_unit + layout.suffix,
         any(c.shares_selection for c in entering),
         heights,
     )

@@ -28,7 +28,7 @@ from tread_fx.runtime.ops import (
     scatter_after_prefix,
     scatter_tokens,
 )
-from tread_fx.runtime.selection import Strategy
+from tread_fx.runtime.selection import Strategy, with_suffix
 
 __all__ = ["rewrite_route", "append_route_outputs", "NOISE_PREFIX", "Reinsert"]
 
@@ -168,6 +168,9 @@ def rewrite_route(
                 "keep": plan.keep_units, "prefix": plan.layout.prefix, "grid": plan.layout.grid
             }  # fmt: skip
             idx = graph.call_function(strategy.select, (noise,), kwargs)
+            if plan.layout.suffix:  # trailing tokens (text behind the image) are always kept
+                tail = (plan.layout.num_tokens - plan.layout.suffix, plan.layout.suffix)
+                idx = graph.call_function(with_suffix, (idx, *tail))
             if plan.shared_selection:  # a batch-shared table enters: one subset for all samples
                 idx = graph.call_function(share_across_batch, (idx,))
     _mark(idx, None, "select", plan.index)

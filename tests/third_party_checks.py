@@ -101,8 +101,9 @@ def check_routed_shape_count_and_change(case: Case) -> list[tread_fx.RouteInfo]:
     assert not torch.allclose(out, reference), "routing must change the training output"
     infos = tread_fx.route_info(model)
     for info in infos:
-        routable = info.num_tokens - info.prefix
-        assert info.kept.shape[1] == info.prefix + routable - int(routable * info.route.rate)
+        routable = info.num_tokens - info.prefix - info.suffix
+        kept = info.prefix + routable - int(routable * info.route.rate) + info.suffix
+        assert info.kept.shape[1] == kept
         assert (info.kept.diff(dim=1) > 0).all(), "kept ids must be ascending and unique"
     return infos
 

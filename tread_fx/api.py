@@ -67,11 +67,12 @@ class RouteInfo:
 
     Attributes:
         route: The resolved route (start, end, rate).
-        kept: Kept token ids [B, k], ascending (prefix tokens included).
+        kept: Kept token ids [B, k], ascending (prefix and suffix tokens included).
         num_tokens: Token count N of the stream at the route start.
         prefix: Leading tokens never routed (cls/registers).
         grid: Patch grid (H, W), or (F, H, W) for video, of the routable tokens, when known.
         selection: The selection used (``"auto"`` resolved to ``"random"`` or ``"rows"``).
+        suffix: Trailing tokens never routed (a text stream concatenated behind the image).
     """
 
     route: Route
@@ -80,6 +81,7 @@ class RouteInfo:
     prefix: int
     grid: tuple[int, ...] | None
     selection: str = "random"
+    suffix: int = 0
 
     @property
     def routed_mask(self) -> torch.Tensor:
@@ -176,6 +178,7 @@ class _RoutingState:
                 plan.layout.prefix,
                 plan.layout.grid,
                 entry.built.selection,
+                plan.layout.suffix,
             )
             for plan, kept in zip(entry.built.plans, out[n:])
         ]

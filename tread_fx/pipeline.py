@@ -87,13 +87,14 @@ def find_grid(model: nn.Module, num_tokens: int) -> tuple[int, int] | None:
 
 
 def _grid_for(model: nn.Module, config: RoutingConfig, info: StreamInfo) -> tuple[int, int] | None:
-    routable = info.num_tokens - info.prefix
+    routable = info.num_tokens - info.prefix - info.suffix
     grid = config.grid or find_grid(model, routable) or grid_in_block_arguments(info, routable)
     if grid is not None and math.prod(grid) != routable:
+        suffix = f", minus {info.suffix} suffix" if info.suffix else ""
         raise SelectionError(
             f"grid={grid} was given, but the token stream has {routable} routable tokens "
-            f"({info.num_tokens} minus {info.prefix} prefix); H * W must equal that (F * H * W "
-            "for a video grid)."
+            f"({info.num_tokens} minus {info.prefix} prefix{suffix}); H * W must equal that "
+            "(F * H * W for a video grid)."
         )
     if grid is None and config.strategy.needs_grid:
         raise SelectionError(

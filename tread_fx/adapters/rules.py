@@ -100,7 +100,7 @@ def _covers_tokens(side: SideValue, features_last: bool) -> bool:
         return False
     shape = metas[0].shape
     batch = batch_dim_of(metas[0], side)
-    least = side.stream.num_tokens - side.stream.prefix
+    least = side.stream.routable
     dims = range(len(shape) - int(features_last))
     return any(shape[d] >= least for d in dims if d != batch)
 

@@ -32,7 +32,11 @@ class TensorMeta:
 
 @dataclass(frozen=True)
 class StreamLayout:
-    """Layout of the token stream at a route's start, as adapters see it."""
+    """Layout of the token stream at a route's start, as adapters see it.
+
+    The stream's ``prefix`` leading and ``suffix`` trailing tokens (cls/registers in front,
+    a text stream behind) are never routed; the kept ids always include them.
+    """
 
     batch_dim: int
     token_dim: int
@@ -40,6 +44,12 @@ class StreamLayout:
     num_tokens: int
     prefix: int
     grid: tuple[int, int] | None
+    suffix: int = 0
+
+    @property
+    def routable(self) -> int:
+        """Tokens a route may leave out: all but the prefix and the suffix."""
+        return self.num_tokens - self.prefix - self.suffix
 
 
 @dataclass(frozen=True)

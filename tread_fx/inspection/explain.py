@@ -212,6 +212,7 @@ def _stream(built: Built, selection: str) -> dict[str, Any]:
         "token_dim": info.token_dim,
         "num_tokens": info.num_tokens,
         "prefix": info.prefix,
+        "suffix": info.suffix,
         "grid": list(grid) if grid else None,
         "selection": selection,
         "unit": token_major_unit(meta.shape),
@@ -382,6 +383,7 @@ def _assemble(model, call, found, guards, names, config, flops) -> Explanation:
             _inserted(built.gm, p.index, shapes[1]),
             _side_inputs(built, p, names, shapes[1]),
             sorted(n.name for n in p.region if n in alive),
+            p.layout.suffix,
         )
         for p in built.plans
     ]

@@ -77,6 +77,7 @@ class RouteReport:
     inserted: list[InsertedNode]
     side_inputs: list[SideInput]
     region: list[str] = field(default_factory=list)
+    suffix: int = 0  # trailing tokens never routed (text behind the image tokens)
 
 
 @dataclass

@@ -342,7 +342,8 @@ def _summary(exp: Explanation) -> str:
         [
             "token stream",
             f"{fmt_shape(tuple(st['shape']))} {st['dtype']}, token dim "
-            f"{st['token_dim']}, {st['num_tokens']} tokens, prefix {st['prefix']}",
+            f"{st['token_dim']}, {st['num_tokens']} tokens, prefix {st['prefix']}"
+            + (f", suffix {st['suffix']}" if st.get("suffix") else ""),
         ],
     ]
     for r in exp.routes:

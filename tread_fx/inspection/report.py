@@ -55,6 +55,7 @@ SCHEMA: dict[str, Any] = _obj(
                 "token_dim": _NUM,
                 "num_tokens": _NUM,
                 "prefix": _NUM,
+                "suffix": _NUM,
                 "grid": _SHAPE,
                 "selection": _STR,
                 "enters_at": _STR,
@@ -70,6 +71,7 @@ SCHEMA: dict[str, Any] = _obj(
                     "num_tokens": _NUM,
                     "kept_tokens": _NUM,
                     "prefix": _NUM,
+                    "suffix": _NUM,
                     "units": _NUM,
                     "keep_units": _NUM,
                     "inserted": _arr(
@@ -217,6 +219,7 @@ def to_dict(exp: Explanation) -> dict[str, Any]:
                         "num_tokens",
                         "kept_tokens",
                         "prefix",
+                        "suffix",
                         "units",
                         "keep_units",
                     )
@@ -309,6 +312,11 @@ def _routes_section(exp: Explanation, s: Style) -> list[str]:
         lines.append("  " + s(head, "bold"))
         if r.prefix:
             lines.append(f"    {r.prefix} prefix token(s) always kept")
+        if r.suffix:
+            lines.append(
+                f"    {r.suffix} suffix token(s) (tokens {r.num_tokens - r.suffix}.."
+                f"{r.num_tokens - 1}, behind the image tokens) never routed, always kept"
+            )
         lines.append(f"    selection keeps {r.keep_units} of {r.units} units")
         rows = [["inserted", "name", "role", "shape", "inputs"]]
         for n in r.inserted:
@@ -428,11 +436,12 @@ def format_report(exp: Explanation, color: bool = False) -> str:
         lines.append("  also considered: " + ", ".join(exp.candidates))
     st = exp.stream
     grid = f", grid {' x '.join(map(str, st['grid']))}" if st["grid"] else ""
+    suffix = f", {st['suffix']} suffix token(s) kept" if st.get("suffix") else ""
     lines += [
         s("Token stream", "bold"),
         f"  {fmt_shape(tuple(st['shape']))} {st['dtype']} entering {st['enters_at']}; "
         f"batch dim {st['batch_dim']}, token dim {st['token_dim']}",
-        f"  {st['num_tokens']} tokens, {st['prefix']} prefix token(s) kept{grid}; "
+        f"  {st['num_tokens']} tokens, {st['prefix']} prefix token(s) kept{suffix}{grid}; "
         f"selection '{st['selection']}'",
     ]
     if st.get("unit"):

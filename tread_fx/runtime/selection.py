@@ -32,6 +32,7 @@ __all__ = [
     "select_random",
     "select_rows",
     "kept_units",
+    "with_suffix",
 ]
 
 
@@ -87,6 +88,18 @@ def _with_prefix(kept: torch.Tensor, prefix: int) -> torch.Tensor:
         return kept
     head = torch.arange(prefix, device=kept.device, dtype=kept.dtype).expand(kept.shape[0], prefix)
     return torch.cat([head, kept + prefix], dim=1)
+
+
+def with_suffix(kept: torch.Tensor, first: int, count: int) -> torch.Tensor:
+    """Append the ids ``first .. first + count - 1`` of never-routed trailing tokens (a text
+    stream behind the image tokens) to every sample's kept ids [B, k]; still ascending.
+
+    Example:
+        >>> with_suffix(torch.tensor([[0, 2]]), 4, 2).tolist()
+        [[0, 2, 4, 5]]
+    """
+    tail = torch.arange(first, first + count, device=kept.device, dtype=kept.dtype)
+    return torch.cat([kept, tail.expand(kept.shape[0], count)], dim=1)
 
 
 def _smallest_sorted(noise: torch.Tensor, keep: int) -> torch.Tensor:

@@ -74,7 +74,7 @@ def patch_loss(per_pixel: torch.Tensor, patch_size: int | tuple[int, int]) -> to
 
 
 def _image_mask(info: RouteInfo, per_token: torch.Tensor, processed: bool) -> torch.Tensor:
-    routed_around = info.routed_mask[:, info.prefix :]
+    routed_around = info.routed_mask[:, info.prefix : info.num_tokens - info.suffix]
     if routed_around.shape != per_token.shape:
         raise LossShapeError(
             f"per-token loss has shape {tuple(per_token.shape)}, but route "

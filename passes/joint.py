@@ -1,0 +1,95 @@
+"""Never-routed parts of a joint stream: the tokens in front of and behind the image tokens.
+
+A model may build the stream its blocks see by concatenating the tokens computed from its
+main input (the image) with other tokens along the token dim: cls/register tokens in front
+(timm), a text or conditioning stream behind (``cat([image, text], 1)``), or both. Only the
+image tokens are routed; the others are an unrouted *prefix* and *suffix*: they are kept by
+every route, pass through the routed blocks and are written back in place at the route end.
+
+Example:
+    >>> # used by tread_fx.passes.locate.locate; the counts land in StreamInfo.prefix/suffix.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from tread_fx.passes.stacks import ancestors
+from tread_fx.passes.trace import TensorMeta
+
+__all__ = ["joint_parts", "parts_from_concat"]
+
+_CAT = (torch.cat, torch.concat, torch.concatenate)
+
+
+def joint_parts(
+    model: nn.Module,
+    keep_prefix: int | None,
+    stream0: fx.Node,
+    primary: fx.Node,
+    token_dim: int,
+    num_tokens: int,
+) -> tuple[int, int]:
+    """``(prefix, suffix)``: leading and trailing tokens of the stream that are never routed.
+
+    Args:
+        model: The model (its ``num_prefix_tokens`` declares the prefix, as timm's do).
+        keep_prefix: The user's prefix count (``None``: declared or detected).
+        stream0: The stream entering the first block.
+        primary: The model's main input (the image).
+        token_dim: The stream's token dim.
+        num_tokens: The stream's token count.
+
+    Returns:
+        The prefix and suffix token counts; the suffix is always detected.
+    """
+    prefix, suffix = parts_from_concat(stream0, primary, token_dim, num_tokens)
+    declared = getattr(model, "num_prefix_tokens", None)
+    if keep_prefix is not None:
+        prefix = keep_prefix
+    elif isinstance(declared, int):
+        prefix = declared
+    return prefix, suffix
+
+
+def parts_from_concat(
+    stream0: fx.Node, primary: fx.Node, token_dim: int, num_tokens: int
+) -> tuple[int, int]:
+    """Count tokens concatenated in front of (cls, registers) and behind (text) the tokens
+    computed from ``primary``, in a concatenation along the token dim that builds the stream.
+
+    Parts computed from the main input are image tokens; the parts before the first of them
+    are the prefix, the parts after the last of them the suffix. The concatenation nearest
+    to the stream decides.
+    """
+    upstream = ancestors(stream0, set()) | {stream0}
+    for node in reversed([n for n in stream0.graph.nodes if n in upstream]):
+        sizes = _cat_sizes(node, token_dim, num_tokens)
+        if sizes is None:
+            continue
+        image = [i for i, part in enumerate(node.args[0]) if _from_primary(part, primary)]
+        if image:
+            return sum(sizes[: image[0]]), sum(sizes[image[-1] + 1 :])
+    return 0, 0
+
+
+def _cat_sizes(node: fx.Node, token_dim: int, num_tokens: int) -> list[int] | None:
+    """Token counts of the parts of a concatenation along the token dim into ``num_tokens``."""
+    if node.op != "call_function" or node.target not in _CAT:
+        return None
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    out = node.meta.get("tread_meta")
+    if not isinstance(out, TensorMeta) or not isinstance(dim, int):
+        return None
+    if dim % len(out.shape) != token_dim or out.shape[token_dim] != num_tokens:
+        return None
+    metas = [p.meta.get("tread_meta") if isinstance(p, fx.Node) else None for p in node.args[0]]
+    if not all(isinstance(m, TensorMeta) and len(m.shape) > token_dim for m in metas):
+        return None
+    return [m.shape[token_dim] for m in metas]
+
+
+def _from_primary(part: fx.Node, primary: fx.Node) -> bool:
+    return part is primary or primary in ancestors(part, set())
