@@ -427,7 +427,8 @@ def plan_route(
             f"nothing. Raise the rate to at least {1 / units:.3g}, or drop the route."
         )
     heights = _height_arguments(info, route, layout, strategy)
-    if layout.batch_dim == NO_BATCH_DIM:
+    segments = segment_boundaries(entering) if layout.batch_size == 1 else None
+    if layout.batch_dim == NO_BATCH_DIM or segments is not None:
         check_packed_strategy(strategy.name, strategy.needs_grid)
     per_unit = (layout.num_tokens - layout.prefix) // units
     end_block = info.blocks[route.end] if route.end < info.depth else None
@@ -447,7 +448,7 @@ def plan_route(
         layout.prefix + keep * per_unit,
         any(c.shares_selection for c in entering),
         heights,
-        segments=segment_boundaries(entering) if layout.batch_dim == NO_BATCH_DIM else None,
+        segments=segments,
     )
 
 

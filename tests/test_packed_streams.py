@@ -165,6 +165,75 @@ def test_a_grid_selection_is_refused():
         model(*_inputs()[0])
 
 
+class BatchOfOneBlock(OffsetsBlock):
+    def forward(self, x, cu_seqlens, max_seqlen: int, position_ids):
+        return super().forward(x[0], cu_seqlens, max_seqlen, position_ids[0])[None]
+
+
+def _batch_of_one():
+    (x, cu, positions), _ = _inputs()
+    return (x[None], cu, positions[None]), {}
+
+
+BATCH_OF_ONE = Case(
+    "packed-batch-of-one", lambda: PackedModel(BatchOfOneBlock), _batch_of_one, routes=[(1, 4)]
+)
+
+
+def test_a_batch_of_one_packed_sequence_selects_per_segment():
+    """[1, T, dim] with cu_seqlens: the offsets follow the kept tokens too."""
+    check_eval_is_bitwise_unrouted(BATCH_OF_ONE)
+    check_rate_zero_equals_training(BATCH_OF_ONE)
+    check_routed_shape_count_and_change(BATCH_OF_ONE)
+    model = BATCH_OF_ONE.route(BATCH_OF_ONE.model()).train()
+    with capture_block_inputs(model.blocks[2]) as calls:
+        model(*_batch_of_one()[0])
+    *_, (args, _) = calls
+    kept = tread_fx.route_info(model)[0].kept[0]
+    counts = torch.bincount(_segment_of(kept), minlength=len(LENGTHS))
+    assert args[1].tolist() == [0, *counts.cumsum(0).tolist()]
+    assert torch.equal(args[3], _inputs()[0][2][kept][None])
+
+
+PROMPT = 6
+
+
+class PromptedModel(PackedModel):
+    """Prompt tokens concatenated in front of the packed samples: one more segment that data
+    flow shows is not from the noisy input, so it is never routed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prompt = nn.Parameter(torch.randn(PROMPT, D))
+
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, position_ids: torch.Tensor):
+        h = torch.cat([self.prompt, self.embed(x)])
+        cu = torch.cat([cu_seqlens[:1], cu_seqlens + PROMPT])
+        positions = torch.cat([torch.arange(PROMPT), position_ids])
+        longest = int((cu[1:] - cu[:-1]).max())
+        for block in self.blocks:
+            h = block(h, cu, longest, positions)
+        return self.out(h[PROMPT:])
+
+
+PROMPTED = Case("packed-prompt", PromptedModel, _inputs, routes=[(1, 4)])
+
+
+def test_a_prompt_segment_in_front_is_never_routed():
+    check_eval_is_bitwise_unrouted(PROMPTED)
+    check_rate_zero_equals_training(PROMPTED)
+    check_gradients(PROMPTED)
+    check_routed_shape_count_and_change(PROMPTED)
+    kept, args = _routed_call(PROMPTED)
+    assert torch.equal(kept[:PROMPT], torch.arange(PROMPT))
+    noisy = kept[PROMPT:] - PROMPT
+    assert noisy.shape[0] == T - T // 2
+    counts = torch.bincount(_segment_of(noisy), minlength=len(LENGTHS))
+    for count, length in zip(counts.tolist(), LENGTHS):
+        assert abs(count - length * noisy.shape[0] / T) <= 1, (counts, LENGTHS)
+    assert args[1].tolist() == [0, PROMPT, *(PROMPT + counts.cumsum(0)).tolist()]
+
+
 class TwoPathwayBlock(nn.Module):
     def __init__(self) -> None:
         super().__init__()

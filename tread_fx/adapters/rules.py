@@ -180,17 +180,28 @@ def _is_integer_vector(side: SideValue) -> bool:
     return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
 
 
+def _packed(side: SideValue) -> bool:
+    """A packed stream: [T, dim] without a batch dim, or a batch of one packed sequence."""
+    return side.stream.batch_dim == NO_BATCH_DIM or side.stream.batch_size == 1
+
+
 def _packed_offsets(side: SideValue) -> bool:
     """Cumulative segment offsets [S + 1] of a packed stream, under an offsets name."""
-    packed = side.stream.batch_dim == NO_BATCH_DIM
-    return packed and _received_as(side, _OFFSET_NAMES) and _is_integer_vector(side)
+    return _packed(side) and _received_as(side, _OFFSET_NAMES) and _is_integer_vector(side)
 
 
 def _packed_segment_ids(side: SideValue) -> RowMap | None:
-    """One segment id per token [T] of a packed stream, under a segment-ids name."""
-    if side.stream.batch_dim != NO_BATCH_DIM or not _received_as(side, _SEGMENT_NAMES):
+    """One segment id per token ([T] or [1, T] integers) of a packed stream, under a
+    segment-ids name."""
+    if not _packed(side) or not _received_as(side, _SEGMENT_NAMES):
         return None
-    return _token_index_rows(side)
+    metas = tensor_metas(side.meta)
+    if metas is None or len(metas) != 1 or len(metas[0].shape) not in (1, 2):
+        return None
+    dtype = metas[0].dtype
+    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        return None
+    return find_rows(side, batch=None, features_last=False, all_dims=False)
 
 
 _SAME_VALUE = frozenset({"contiguous", "clone", "detach", "to", "float", "half", "bfloat16",
@@ -231,11 +242,12 @@ BUILTIN_ADAPTERS: tuple[Adapter, ...] = (
         matches=_packed_offsets,
         action=kept_offsets,
         doc=(
-            "Packed [tokens, dim] streams only: cumulative segment offsets (cu_seqlens, "
-            "cu_seq_lens_q/k, ...: a 1-D integer tensor [S + 1]) received by the blocks give "
-            "the samples' boundaries. The route selects per segment (each keeps its own "
-            "share of tokens, in order) and the blocks get the kept tokens' offsets. A "
-            "max_seqlen number is left as it is: an upper bound for the kept segments."
+            "Packed streams only ([T, dim], or a batch of one [1, T, dim]): cumulative "
+            "segment offsets (cu_seqlens, cu_seq_lens_q/k, ...: a 1-D integer tensor "
+            "[S + 1]) received by the blocks give the samples' boundaries. The route "
+            "selects per segment (each keeps its own share of tokens, in order) and the "
+            "blocks get the kept tokens' offsets. A max_seqlen number is left as it is: an "
+            "upper bound for the kept segments."
         ),
         builtin=True,
     ),
@@ -245,10 +257,11 @@ BUILTIN_ADAPTERS: tuple[Adapter, ...] = (
         action=take_rows,
         options=lambda side: _packed_segment_ids(side).options(None),
         doc=(
-            "Packed [tokens, dim] streams only: one segment (sample, document) id per token "
-            "([T] integers under segment_ids, seq_ids, document_ids, ...). The route selects "
-            "per segment (each keeps its own share of tokens, in order) and the kept tokens "
-            "keep their ids, so masks the blocks build from them stay per segment."
+            "Packed streams only ([T, dim], or a batch of one [1, T, dim]): one segment "
+            "(sample, document) id per token ([T] or [1, T] integers under segment_ids, "
+            "seq_ids, document_ids, ...). The route selects per segment (each keeps its own "
+            "share of tokens, in order) and the kept tokens keep their ids, so masks the "
+            "blocks build from them stay per segment."
         ),
         builtin=True,
     ),
