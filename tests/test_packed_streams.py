@@ -307,3 +307,10 @@ def test_per_sample_vectors_are_not_taken_for_a_packed_stream():
 @pytest.mark.slow
 def test_compiled():
     check_compiled(CASES[1])  # the offsets model reads max_seqlen from data (int(...))
+
+
+def test_a_packed_stream_of_one_token_is_refused():
+    from tread_fx.passes.packed import packed_layout
+
+    with pytest.raises(TokenStreamError, match="1 token, so routing would save nothing"):
+        packed_layout((1, D))

@@ -11,7 +11,7 @@ assumes. The registry consults user adapters first, then these:
 Example:
     >>> from tread_fx.adapters.rules import BUILTIN_ADAPTERS
     >>> [a.name for a in BUILTIN_ADAPTERS][:3]
-    ['broadcast-over-tokens', 'per-token-modulation', 'conditioning-by-name']
+    ['packed-offsets', 'packed-segment-ids', 'broadcast-over-tokens']
 """
 
 from __future__ import annotations
