@@ -24,6 +24,7 @@ from torch import nn
 
 from tread_fx.errors import TokenStreamError
 from tread_fx.passes.joint import joint_parts
+from tread_fx.passes.packed import check_one_packed_stream, is_packed, packed_layout
 from tread_fx.passes.stacks import (
     ancestors,
     block_calls,
@@ -161,8 +162,13 @@ def locate(
             "whose blocks take token sequences."
         )
     first = model.get_submodule(blocks[0].path)
-    check_stream_rank(first, blocks[0].path, chain, meta.shape)
-    batch_dim, token_dim, batch, folded = _layout(meta, primary, _list_batch(traced, primary))
+    listed = _list_batch(traced, primary)
+    if is_packed(meta.shape, blocks[0].node, blocks[0].stream_in, _batch_of(primary, listed)):
+        check_one_packed_stream(blocks[0].node, first, blocks[0].path, blocks[0].stream_in, primary)
+        batch_dim, token_dim, batch, folded = packed_layout(meta.shape)
+    else:
+        check_stream_rank(first, blocks[0].path, chain, meta.shape)
+        batch_dim, token_dim, batch, folded = _layout(meta, primary, listed)
     num_tokens = meta.shape[token_dim]
     prefix, suffix = joint_parts(
         model, keep_prefix, blocks[0].stream_in, primary, token_dim, num_tokens
@@ -390,6 +396,15 @@ def _list_batch(traced: TracedCall, primary: fx.Node) -> int | None:
         if isinstance(value, (list, tuple)) and leaf in value:
             return len(value) if all(isinstance(v, int) for v in value) else None
     return None
+
+
+def _batch_of(primary: fx.Node, listed: int | None) -> int | None:
+    """The batch size the main input tells: a list's length, or dim 0 of a tensor of rank 3
+    or more (``None`` for a [tokens, dim] input: packed tokens or per-sample vectors)."""
+    if listed is not None:
+        return listed
+    meta = primary.meta.get("tread_meta")
+    return meta.shape[0] if isinstance(meta, TensorMeta) and len(meta.shape) >= 3 else None
 
 
 def _layout(

@@ -25,8 +25,10 @@ import torch
 import torch.fx as fx
 
 from tread_fx.adapters import SideValue, StreamLayout, adapters
+from tread_fx.adapters.values import NO_BATCH_DIM
 from tread_fx.errors import InvalidRateError, SelectionError, SideInputError, TokenStreamError
 from tread_fx.passes.locate import BlockCall, StreamInfo, input_slots, output_slots
+from tread_fx.passes.packed import check_packed_strategy, segment_boundaries
 from tread_fx.passes.stacks import argument_items
 from tread_fx.passes.streams import (
     check_no_token_tables_inside,
@@ -97,6 +99,7 @@ class RoutePlan:
     height_args: list[tuple] = field(default_factory=list)
     change: Any = None  # later piece of a split route: the FormChange at its start
     pieces: list[RoutePlan] = field(default_factory=list)  # first piece: the later ones
+    segments: tuple[fx.Node, str] | None = None  # packed stream: (boundaries, their kind)
 
 
 def graph_to_networkx(graph: fx.Graph) -> nx.DiGraph:
@@ -114,10 +117,8 @@ def _is_token_aligned(meta: Any, layout: StreamLayout) -> bool:
     ):
         return False
     shape = meta.shape
-    return (
-        shape[layout.batch_dim] == layout.batch_size
-        and shape[layout.token_dim] == layout.num_tokens
-    )
+    batched = layout.batch_dim == NO_BATCH_DIM or shape[layout.batch_dim] == layout.batch_size
+    return batched and shape[layout.token_dim] == layout.num_tokens
 
 
 def _looks_token_aligned(side: SideValue) -> bool:
@@ -400,7 +401,7 @@ def plan_route(
     layout = StreamLayout(
         info.batch_dim,
         info.token_dim,
-        meta.shape[info.batch_dim],
+        _batch_size(info, meta.shape),
         meta.shape[info.token_dim],
         stream_prefix(g, info, info.blocks[route.start]),
         grid if meta.shape[info.token_dim] == info.num_tokens else None,
@@ -428,6 +429,9 @@ def plan_route(
             f"nothing. Raise the rate to at least {1 / units:.3g}, or drop the route."
         )
     heights = _height_arguments(info, route, layout, strategy)
+    segments = segment_boundaries(entering) if layout.batch_size == 1 else None
+    if layout.batch_dim == NO_BATCH_DIM or segments is not None:
+        check_packed_strategy(strategy.name, strategy.needs_grid)
     per_unit = layout.routable // units
     end_block = info.blocks[route.end] if route.end < info.depth else None
     return RoutePlan(
@@ -446,7 +450,13 @@ def plan_route(
         layout.prefix + keep * per_unit + layout.suffix,
         any(c.shares_selection for c in entering),
         heights,
+        segments=segments,
     )
+
+
+def _batch_size(info: StreamInfo, shape: tuple) -> int:
+    """The stream's batch size (1 for a packed stream, which has no batch dim)."""
+    return info.batch_size if info.batch_dim == NO_BATCH_DIM else shape[info.batch_dim]
 
 
 def _plan_piece(gm, g, info, route: Route, follows: RoutePlan, change, strict) -> RoutePlan:
@@ -458,7 +468,7 @@ def _plan_piece(gm, g, info, route: Route, follows: RoutePlan, change, strict) -
     meta = stream_start.meta["tread_meta"]
     shape = meta.shape
     layout = StreamLayout(
-        info.batch_dim, info.token_dim, shape[info.batch_dim], shape[info.token_dim], 0, None
+        info.batch_dim, info.token_dim, _batch_size(info, shape), shape[info.token_dim], 0, None
     )
     start = info.blocks[route.start]
     entering = _entering(g, (start, stream_start), region, info, layout, strict)

@@ -28,6 +28,7 @@ from tread_fx.runtime.ops import (
     scatter_after_prefix,
     scatter_tokens,
 )
+from tread_fx.runtime.packed import select_segments
 from tread_fx.runtime.selection import Strategy, with_suffix
 
 __all__ = ["rewrite_route", "append_route_outputs", "NOISE_PREFIX", "Reinsert"]
@@ -167,7 +168,13 @@ def rewrite_route(
             kwargs = {
                 "keep": plan.keep_units, "prefix": plan.layout.prefix, "grid": plan.layout.grid
             }  # fmt: skip
-            idx = graph.call_function(strategy.select, (noise,), kwargs)
+            if plan.segments is not None:  # a packed stream: select within each segment
+                boundaries, kind = plan.segments
+                kwargs = {"keep": plan.keep_units, "prefix": plan.layout.prefix}
+                kwargs |= {"boundaries": boundaries, "kind": kind}
+                idx = graph.call_function(select_segments, (noise,), kwargs)
+            else:
+                idx = graph.call_function(strategy.select, (noise,), kwargs)
             if plan.layout.suffix:  # trailing tokens (text behind the image) are always kept
                 tail = (plan.layout.num_tokens - plan.layout.suffix, plan.layout.suffix)
                 idx = graph.call_function(with_suffix, (idx, *tail))

@@ -67,9 +67,11 @@ def check_stream_rank(block: nn.Module, block_path: str, lists: list[str], shape
         )
     elif len(shape) == 2:
         why = (
-            "a [tokens, dim] value without a batch dim: a packed stream (the samples' tokens "
-            "concatenated along one axis, their boundaries kept in index tensors) or "
-            "per-sample vectors; selecting tokens per sample needs a batch dim"
+            "a [rows, dim] value whose rows are the batch (per-sample vectors), and nothing "
+            "marks it as a packed stream (samples' tokens concatenated along one axis): a "
+            "packed stream is routed when its rows are not the batch or when the blocks "
+            "receive its segment boundaries beside it (cu_seqlens, segment or position ids "
+            "as integer tensors)"
         )
     else:
         why = f"a {len(shape)}-D value has no [batch, tokens, ...] layout tread_fx can route"

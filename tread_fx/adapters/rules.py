@@ -5,12 +5,13 @@ assumes. The registry consults user adapters first, then these:
 ``broadcast-over-tokens``, ``per-token-modulation``, ``conditioning-by-name``,
 ``rope-timm-eva``, ``rope-per-sample``, ``rope-batch-shared``, ``rope-other-stream``,
 ``attention-mask``, ``attention-mask-shared``, ``position-ids``, ``position-ids-shared``,
-``token-index-shared``, ``stream-derived``, ``residual``.
+``token-index-shared``, ``stream-derived``, ``residual``; before them, for packed
+``[tokens, dim]`` streams only, ``packed-offsets`` and ``packed-segment-ids``.
 
 Example:
     >>> from tread_fx.adapters.rules import BUILTIN_ADAPTERS
     >>> [a.name for a in BUILTIN_ADAPTERS][:3]
-    ['broadcast-over-tokens', 'per-token-modulation', 'conditioning-by-name']
+    ['packed-offsets', 'packed-segment-ids', 'broadcast-over-tokens']
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ from tread_fx.adapters.token_tables import (
     take_rows,
     tensor_metas,
 )
-from tread_fx.adapters.values import TensorMeta
+from tread_fx.adapters.values import NO_BATCH_DIM, TensorMeta
+from tread_fx.runtime.packed import kept_offsets
 
-__all__ = ["BUILTIN_ADAPTERS"]
+__all__ = ["BUILTIN_ADAPTERS", "PACKED_BOUNDARIES"]
 
 _CONTEXT_NAMES = frozenset(
     {"encoder_hidden_states", "context", "cond", "condition", "c", "y", "temb", "timestep",
@@ -158,6 +160,50 @@ def _token_index_rows(side: SideValue) -> RowMap | None:
     return find_rows(side, batch=None, features_last=False, all_dims=False)
 
 
+_OFFSET_NAMES = frozenset(
+    {"cu_seqlens", "cu_seq_lens", "cu_seqlens_q", "cu_seqlens_k", "cu_seq_lens_q",
+     "cu_seq_lens_k", "cumulative_seqlens", "cu_lens", "seq_offsets"}
+)  # fmt: skip
+_SEGMENT_NAMES = frozenset(
+    {"segment_ids", "seg_ids", "seq_ids", "sequence_ids", "document_ids", "doc_ids",
+     "sample_ids", "packed_ids"}
+)  # fmt: skip
+# rule name -> how select_segments reads the boundaries of a packed stream's segments
+PACKED_BOUNDARIES = {"packed-offsets": "offsets", "packed-segment-ids": "ids"}
+
+
+def _is_integer_vector(side: SideValue) -> bool:
+    metas = tensor_metas(side.meta)
+    if metas is None or len(metas) != 1 or len(metas[0].shape) != 1:
+        return False
+    dtype = metas[0].dtype
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
+def _packed(side: SideValue) -> bool:
+    """A packed stream: [T, dim] without a batch dim, or a batch of one packed sequence."""
+    return side.stream.batch_dim == NO_BATCH_DIM or side.stream.batch_size == 1
+
+
+def _packed_offsets(side: SideValue) -> bool:
+    """Cumulative segment offsets [S + 1] of a packed stream, under an offsets name."""
+    return _packed(side) and _received_as(side, _OFFSET_NAMES) and _is_integer_vector(side)
+
+
+def _packed_segment_ids(side: SideValue) -> RowMap | None:
+    """One segment id per token ([T] or [1, T] integers) of a packed stream, under a
+    segment-ids name."""
+    if not _packed(side) or not _received_as(side, _SEGMENT_NAMES):
+        return None
+    metas = tensor_metas(side.meta)
+    if metas is None or len(metas) != 1 or len(metas[0].shape) not in (1, 2):
+        return None
+    dtype = metas[0].dtype
+    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        return None
+    return find_rows(side, batch=None, features_last=False, all_dims=False)
+
+
 _SAME_VALUE = frozenset({"contiguous", "clone", "detach", "to", "float", "half", "bfloat16",
                          "type_as"})  # fmt: skip
 _EXPANDS = frozenset({"expand", "expand_as", "broadcast_to", "repeat"})
@@ -191,6 +237,34 @@ def _per_token_modulation(side: SideValue) -> bool:
 
 
 BUILTIN_ADAPTERS: tuple[Adapter, ...] = (
+    Adapter(
+        name="packed-offsets",
+        matches=_packed_offsets,
+        action=kept_offsets,
+        doc=(
+            "Packed streams only ([T, dim], or a batch of one [1, T, dim]): cumulative "
+            "segment offsets (cu_seqlens, cu_seq_lens_q/k, ...: a 1-D integer tensor "
+            "[S + 1]) received by the blocks give the samples' boundaries. The route "
+            "selects per segment (each keeps its own share of tokens, in order) and the "
+            "blocks get the kept tokens' offsets. A max_seqlen number is left as it is: an "
+            "upper bound for the kept segments."
+        ),
+        builtin=True,
+    ),
+    Adapter(
+        name="packed-segment-ids",
+        matches=lambda side: _packed_segment_ids(side) is not None,
+        action=take_rows,
+        options=lambda side: _packed_segment_ids(side).options(None),
+        doc=(
+            "Packed streams only ([T, dim], or a batch of one [1, T, dim]): one segment "
+            "(sample, document) id per token ([T] or [1, T] integers under segment_ids, "
+            "seq_ids, document_ids, ...). The route selects per segment (each keeps its own "
+            "share of tokens, in order) and the kept tokens keep their ids, so masks the "
+            "blocks build from them stay per segment."
+        ),
+        builtin=True,
+    ),
     Adapter(
         name="broadcast-over-tokens",
         matches=_expanded_over_tokens,

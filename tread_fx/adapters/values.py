@@ -18,7 +18,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-__all__ = ["TensorMeta", "StreamLayout", "SideValue"]
+__all__ = ["TensorMeta", "StreamLayout", "SideValue", "NO_BATCH_DIM"]
+
+# ``StreamLayout.batch_dim`` of a packed [tokens, dim] stream: it has no batch dim
+NO_BATCH_DIM = -1
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,9 @@ class StreamLayout:
 
     The stream's ``prefix`` leading and ``suffix`` trailing tokens (cls/registers in front,
     a text stream behind) are never routed; the kept ids always include them.
+
+    A packed ``[tokens, dim]`` stream (samples concatenated along the tokens) has
+    ``batch_dim == NO_BATCH_DIM``, ``token_dim == 0`` and ``batch_size == 1``.
     """
 
     batch_dim: int

@@ -440,7 +440,12 @@ def format_report(exp: Explanation, color: bool = False) -> str:
     lines += [
         s("Token stream", "bold"),
         f"  {fmt_shape(tuple(st['shape']))} {st['dtype']} entering {st['enters_at']}; "
-        f"batch dim {st['batch_dim']}, token dim {st['token_dim']}",
+        + (
+            "packed: no batch dim, token dim 0; selection per segment when the blocks receive "
+            "segment boundaries"
+            if st["batch_dim"] == -1
+            else f"batch dim {st['batch_dim']}, token dim {st['token_dim']}"
+        ),
         f"  {st['num_tokens']} tokens, {st['prefix']} prefix token(s) kept{suffix}{grid}; "
         f"selection '{st['selection']}'",
     ]
