@@ -27,7 +27,7 @@ import torch.fx as fx
 from tread_fx.adapters.rules import PACKED_BOUNDARIES
 from tread_fx.adapters.values import NO_BATCH_DIM, TensorMeta
 from tread_fx.errors import SelectionError, TokenStreamError
-from tread_fx.passes.stacks import ancestors, input_slots
+from tread_fx.passes.stacks import ancestors, argument_name, input_slots
 
 __all__ = [
     "is_packed",
@@ -116,10 +116,7 @@ def check_one_packed_stream(
 
 
 def _slot_name(module: Any, key: tuple) -> str:
-    from tread_fx.passes.plan import _argument_name  # plan imports this module
-
-    return _argument_name(module, key) + "".join(f"[{k}]" for k in key[2:])
-    return f"argument {key[1]}" if key[0] == "arg" else f"{key[1]}="
+    return argument_name(module, key) + "".join(f"[{k}]" for k in key[2:])
 
 
 def segment_boundaries(entering: list) -> tuple[fx.Node, str] | None:

@@ -13,7 +13,6 @@ Example:
 
 from __future__ import annotations
 
-import inspect
 import math
 import operator
 import warnings
@@ -29,7 +28,7 @@ from tread_fx.adapters.values import NO_BATCH_DIM
 from tread_fx.errors import InvalidRateError, SelectionError, SideInputError, TokenStreamError
 from tread_fx.passes.locate import BlockCall, StreamInfo, input_slots, output_slots
 from tread_fx.passes.packed import check_packed_strategy, segment_boundaries
-from tread_fx.passes.stacks import argument_items
+from tread_fx.passes.stacks import argument_items, argument_name
 from tread_fx.passes.streams import (
     check_no_token_tables_inside,
     check_one_stream_length,
@@ -162,28 +161,12 @@ def _region(g: nx.DiGraph, info: StreamInfo, route: Route) -> tuple[set, fx.Node
     return region, stream_start, stream_end
 
 
-def _argument_name(block: Any, key: tuple) -> str:
-    """The parameter name of ``block.forward`` that a slot fills (``"arg{i}"`` if unknown).
-
-    Blocks called positionally (diffusers' gradient checkpointing passes everything by
-    position) are described by the same names as when called by keyword.
-    """
-    if key[0] == "kwarg":
-        return key[1]
-    try:
-        params = list(inspect.signature(block.forward).parameters.values())
-    except (TypeError, ValueError):
-        return f"arg{key[1]}"
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return positional[key[1]].name if key[1] < len(positional) else f"arg{key[1]}"
-
-
 def _dict_keys_holding(block: Any, user: fx.Node, node: fx.Node) -> set[str]:
     """``argument.key`` for each dict argument through which a block receives ``node``:
     ``attention_kwargs.attention_mask``, ``rotary_emb.query``. Rules match either part
     (the key names a mask; the argument names a rotary table)."""
     return {
-        f"{_argument_name(block, slot)}.{k}"
+        f"{argument_name(block, slot)}.{k}"
         for slot, a in argument_items(user)
         if isinstance(a, dict)
         for k, v in a.items()
@@ -197,7 +180,7 @@ def _side_value(g, node, users, region, info, layout, block_nodes) -> SideValue:
         if user in block_nodes:
             for key, arg in input_slots(user).items():
                 if arg is node:
-                    names.add(_argument_name(block_nodes[user], key))
+                    names.add(argument_name(block_nodes[user], key))
             names |= _dict_keys_holding(block_nodes[user], user, node)
             classes.add(type(block_nodes[user]))
     combined = any(

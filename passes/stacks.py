@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -32,6 +33,7 @@ from tread_fx.passes.dataflow import data_ancestors
 from tread_fx.passes.trace import MODEL_PREFIX, TensorMeta, TracedCall
 
 __all__ = [
+    "argument_name",
     "candidate_stacks",
     "resolve_block_lists",
     "block_leaf_paths",
@@ -192,6 +194,22 @@ def argument_items(node: fx.Node) -> list[tuple[tuple, Any]]:
     """``(("arg", i), value)`` and ``(("kwarg", name), value)`` for each argument of a call."""
     items = [(("arg", i), a) for i, a in enumerate(node.args)]
     return items + [(("kwarg", k), a) for k, a in node.kwargs.items()]
+
+
+def argument_name(block: Any, key: tuple) -> str:
+    """The parameter name of ``block.forward`` that a slot fills (``"arg{i}"`` if unknown).
+
+    Blocks called positionally (diffusers' gradient checkpointing passes everything by
+    position) are described by the same names as when called by keyword.
+    """
+    if key[0] == "kwarg":
+        return key[1]
+    try:
+        params = list(inspect.signature(block.forward).parameters.values())
+    except (TypeError, ValueError):
+        return f"arg{key[1]}"
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return positional[key[1]].name if key[1] < len(positional) else f"arg{key[1]}"
 
 
 def input_slots(node: fx.Node) -> dict[tuple, fx.Node]:
