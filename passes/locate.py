@@ -436,7 +436,11 @@ def _prefix(model, keep_prefix, stream0: fx.Node, primary, token_dim: int, num_t
 
 
 def _prefix_from_concat(stream0: fx.Node, primary: fx.Node, token_dim: int, num_tokens: int) -> int:
-    """Count leading tokens concatenated in front of the input-derived tokens (cls, registers)."""
+    """Count leading tokens concatenated in front of the input-derived tokens (cls, registers).
+
+    Concatenations may nest (``cat([long, cat([mid, cat([short, x])])])``, history frames
+    added one group at a time): the part holding the input is searched in turn.
+    """
     import torch
 
     for node in ancestors(stream0, set()) | {stream0}:
@@ -452,6 +456,9 @@ def _prefix_from_concat(stream0: fx.Node, primary: fx.Node, token_dim: int, num_
         prefix = 0
         for part in parts:
             if part is primary or primary in ancestors(part, set()):
-                return prefix
+                inner = part.meta["tread_meta"].shape[token_dim]
+                if part is primary or inner == num_tokens:
+                    return prefix
+                return prefix + _prefix_from_concat(part, primary, token_dim, inner)
             prefix += part.meta["tread_meta"].shape[token_dim]
     return 0
