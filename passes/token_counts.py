@@ -64,7 +64,7 @@ def count_arguments(
         SideInputError: A number matches counts that routing changes differently.
     """
     tokens = stream_tokens(info.blocks[route.start], info)
-    others = _other_sequences(info.blocks[route.start], info, passed)
+    others = _other_sequences(info.blocks[route.start], info, passed, name)
     found = []
     for block in info.blocks[route.start : route.end]:
         shift = stream_tokens(block, info) - tokens  # tokens concatenated in front (crossing)
@@ -87,14 +87,17 @@ def count_arguments(
     return found
 
 
-def _other_sequences(block: BlockCall, info: StreamInfo, passed: set[fx.Node]) -> list[_Count]:
+def _other_sequences(
+    block: BlockCall, info: StreamInfo, passed: set[fx.Node], name: Callable
+) -> list[_Count]:
     """Lengths of other token sequences ([B, T, ...] tensors) the block receives unchanged."""
     counts = []
     for key, value in input_slots(block.node).items():
         meta = value.meta.get("tread_meta")
         if value in passed and isinstance(meta, TensorMeta) and len(meta.shape) >= 3:
             length = meta.shape[info.token_dim]
-            counts.append((f"the length of '{value.name}' (argument {key[1]})", length, length))
+            what = f"the length of the sequence '{name(block, key)}' the block also receives"
+            counts.append((what, length, length))
     return counts
 
 

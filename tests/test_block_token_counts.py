@@ -147,6 +147,35 @@ def test_a_number_that_counts_two_things_is_refused():
         model(*_inputs(history)[0])
 
 
+class TextBlock(ContextBlock):
+    """Also carries a joint text stream from block to block."""
+
+    def forward(self, x: torch.Tensor, text: torch.Tensor, context_len: int) -> tuple:
+        x = super().forward(x, context_len)
+        return x + self.attn(x, text, text, need_weights=False)[0], text + x.mean(1, True)
+
+
+class TextStack(HistoryStack):
+    def __init__(self) -> None:
+        super().__init__(ContextBlock)
+        self.blocks = nn.ModuleList(TextBlock() for _ in range(5))
+
+    def forward(self, image: torch.Tensor, history: torch.Tensor, prompt: torch.Tensor):
+        x, text = self.embed(image), self.embed(prompt)
+        context_len = x.shape[1]
+        x = torch.cat([self.embed_history(history), x], dim=1)
+        for block in self.blocks:
+            x, text = block(x, text, context_len)
+        return self.out(x[:, -context_len:])
+
+
+def test_a_number_that_is_also_a_text_length_is_refused():
+    model = tread_fx.route(TextStack().train(), routes=[(1, 4)], rate=0.5, seed=0)
+    prompt = torch.randn(B, IMAGE, 4)  # as many text tokens as image tokens
+    with pytest.raises(SideInputError, match=r"'context_len'.*routed part.*the sequence 'text'"):
+        model(*_inputs()[0], prompt)
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_invariants(name):
     case = CASES[name]
