@@ -62,7 +62,9 @@ def parts_from_concat(
 
     Parts computed from the main input are image tokens; the parts before the first of them
     are the prefix, the parts after the last of them the suffix. The concatenation nearest
-    to the stream decides.
+    to the stream decides. Concatenations may nest (``cat([long, cat([mid, cat([short,
+    x])])])``, history frames added one group at a time): a single image part that is itself
+    such a concatenation is searched in turn, and the counts of every level add up.
     """
     upstream = ancestors(stream0, set()) | {stream0}
     for node in reversed([n for n in stream0.graph.nodes if n in upstream]):
@@ -70,8 +72,14 @@ def parts_from_concat(
         if sizes is None:
             continue
         image = [i for i, part in enumerate(node.args[0]) if _from_primary(part, primary)]
-        if image:
-            return sum(sizes[: image[0]]), sum(sizes[image[-1] + 1 :])
+        if not image:
+            continue
+        prefix, suffix = sum(sizes[: image[0]]), sum(sizes[image[-1] + 1 :])
+        part = node.args[0][image[0]]
+        if len(image) == 1 and part is not primary and sizes[image[0]] != num_tokens:
+            inner = parts_from_concat(part, primary, token_dim, sizes[image[0]])
+            prefix, suffix = prefix + inner[0], suffix + inner[1]
+        return prefix, suffix
     return 0, 0
 
 

@@ -39,6 +39,7 @@ from tread_fx.passes.streams import (
     non_token_carried,
     stream_prefix,
 )
+from tread_fx.passes.token_counts import count_arguments
 from tread_fx.passes.trace import TensorMeta
 from tread_fx.routes import Route
 from tread_fx.runtime.selection import Strategy, kept_units
@@ -96,6 +97,7 @@ class RoutePlan:
     kept_tokens: int
     shared_selection: bool = False
     height_args: list[tuple] = field(default_factory=list)
+    count_args: list[tuple] = field(default_factory=list)  # (block, slot, kept count)
     change: Any = None  # later piece of a split route: the FormChange at its start
     pieces: list[RoutePlan] = field(default_factory=list)  # first piece: the later ones
     segments: tuple[fx.Node, str] | None = None  # packed stream: (boundaries, their kind)
@@ -416,6 +418,12 @@ def plan_route(
     if layout.batch_dim == NO_BATCH_DIM or segments is not None:
         check_packed_strategy(strategy.name, strategy.needs_grid)
     per_unit = layout.routable // units
+    kept_tokens = layout.prefix + keep * per_unit + layout.suffix
+    passed = {c.node for c in entering if c.action == "pass"}
+    name = lambda block, slot: argument_name(_module_of(block), slot)  # noqa: E731
+    counts = count_arguments(
+        info, route, layout.prefix, layout.suffix, kept_tokens, passed, name, set(heights)
+    )
     end_block = info.blocks[route.end] if route.end < info.depth else None
     return RoutePlan(
         route,
@@ -430,9 +438,10 @@ def plan_route(
         layout,
         units,
         keep,
-        layout.prefix + keep * per_unit + layout.suffix,
+        kept_tokens,
         any(c.shares_selection for c in entering),
         heights,
+        count_args=counts,
         segments=segments,
     )
 

@@ -189,6 +189,8 @@ def rewrite_route(
             _scatter(graph, crossing, idx, plan, reinsert, embedded)
     for node, key in plan.height_args:  # blocks told the grid: they now see keep_units rows
         _set_argument(node, key, plan.keep_units)
+    for node, key, count in plan.count_args:  # blocks told a token count: the kept one
+        _set_argument(node, key, count)
     return idx
 
 

@@ -36,6 +36,7 @@ __all__ = [
     "non_token_carried",
     "grid_arguments",
     "grid_in_block_arguments",
+    "int_arguments",
 ]
 
 
@@ -270,7 +271,7 @@ def grid_arguments(info: StreamInfo, route: Route, grid: tuple[int, ...] | None)
 def grid_in_block_arguments(info: StreamInfo, tokens: int) -> tuple[int, ...] | None:
     """A patch grid the first block is told as consecutive numbers: ``(frames, height,
     width)`` or ``(height, width)`` whose product is ``tokens`` (the routable tokens)."""
-    numbers = [v for _, v in _int_arguments(info.blocks[0].node)]
+    numbers = [v for _, v in int_arguments(info.blocks[0].node)]
     for size in (3, 2):
         for i in range(len(numbers) - size + 1):
             run = tuple(numbers[i : i + size])
@@ -279,13 +280,14 @@ def grid_in_block_arguments(info: StreamInfo, tokens: int) -> tuple[int, ...] | 
     return None
 
 
-def _int_arguments(node: fx.Node) -> list[tuple[tuple, int]]:
+def int_arguments(node: fx.Node) -> list[tuple[tuple, int]]:
+    """``(slot, value)`` of each top-level int argument of a call (literal or computed)."""
     return [(k, _int_value(a)) for k, a in argument_items(node) if _int_value(a) is not None]
 
 
 def _int_run(node: fx.Node, grid: tuple[int, ...]) -> list[tuple] | None:
     """Slots of consecutive int arguments of ``node`` equal to ``grid``, if any."""
-    numbers = _int_arguments(node)
+    numbers = int_arguments(node)
     for i in range(len(numbers) - len(grid) + 1):
         window = numbers[i : i + len(grid)]
         if tuple(v for _, v in window) == grid:
