@@ -403,6 +403,7 @@ def plan_route(
         meta.shape[info.token_dim],
         stream_prefix(g, info, info.blocks[route.start]),
         grid if meta.shape[info.token_dim] == info.num_tokens else None,
+        info.folded,
     )
     start = info.blocks[route.start]
     entering = _entering(g, (start, stream_start), region, info, layout, strict)
@@ -456,7 +457,13 @@ def _plan_piece(gm, g, info, route: Route, follows: RoutePlan, change, strict) -
     meta = stream_start.meta["tread_meta"]
     shape = meta.shape
     layout = StreamLayout(
-        info.batch_dim, info.token_dim, shape[info.batch_dim], shape[info.token_dim], 0, None
+        info.batch_dim,
+        info.token_dim,
+        shape[info.batch_dim],
+        shape[info.token_dim],
+        0,
+        None,
+        info.folded,
     )
     start = info.blocks[route.start]
     entering = _entering(g, (start, stream_start), region, info, layout, strict)

@@ -3,9 +3,9 @@
 Each rule is an :class:`~tread_fx.adapters.registry.Adapter`; its ``doc`` says what it
 assumes. The registry consults user adapters first, then these:
 ``broadcast-over-tokens``, ``per-token-modulation``, ``conditioning-by-name``,
-``rope-timm-eva``, ``rope-per-sample``, ``rope-batch-shared``, ``rope-other-stream``,
-``attention-mask``, ``attention-mask-shared``, ``position-ids``, ``position-ids-shared``,
-``token-index-shared``, ``stream-derived``, ``residual``.
+``tokens-folded-into-batch``, ``rope-timm-eva``, ``rope-per-sample``, ``rope-batch-shared``,
+``rope-other-stream``, ``attention-mask``, ``attention-mask-shared``, ``position-ids``,
+``position-ids-shared``, ``token-index-shared``, ``stream-derived``, ``residual``.
 
 Example:
     >>> from tread_fx.adapters.rules import BUILTIN_ADAPTERS
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from tread_fx.adapters.folded_rows import gather_folded_rows, rows_per_token, why_not_folded
 from tread_fx.adapters.registry import Adapter, SideValue
 from tread_fx.adapters.token_tables import (
     RowMap,
@@ -223,6 +224,28 @@ BUILTIN_ADAPTERS: tuple[Adapter, ...] = (
             "Values that blocks receive only under conditioning/context argument names "
             "(encoder_hidden_states, context, c, temb, ...) are per-sample or text-token "
             "values, not image tokens: passed through even when their length equals N."
+        ),
+        builtin=True,
+    ),
+    Adapter(
+        name="tokens-folded-into-batch",
+        matches=lambda side: rows_per_token(side) is not None,
+        action=gather_folded_rows,
+        options=lambda side: {
+            "samples": side.stream.samples,
+            "rows_per_token": rows_per_token(side),
+        },
+        diagnose=why_not_folded,
+        doc=(
+            "A value whose dim 0 folds the batch with the stream's tokens, [B * N, ...] "
+            "(or [B * N * m, ...]: m rows per token), sample-major: what factorised video "
+            "blocks between the routed ones receive per token position, e.g. a per-sample "
+            "timestep modulation repeated over the N positions for temporal blocks that run "
+            "on [B * N, F, C]. Viewed as [B, N, m, ...], each sample's kept tokens are "
+            "gathered and the result folds back to [B * k * m, ...], the row order of the "
+            "kept stream reshaped the same way. A value whose dim 0 is also the stream's own "
+            "batch rows (a folded stream with as many sequences as tokens) is ambiguous and "
+            "not matched."
         ),
         builtin=True,
     ),

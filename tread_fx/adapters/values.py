@@ -32,7 +32,12 @@ class TensorMeta:
 
 @dataclass(frozen=True)
 class StreamLayout:
-    """Layout of the token stream at a route's start, as adapters see it."""
+    """Layout of the token stream at a route's start, as adapters see it.
+
+    ``batch_size`` is the size of the stream's batch dim; for a stream whose dim 0 folds
+    frames (or positions) into the batch (``[B * F, N, C]``) it is ``B * F`` and ``folded``
+    is ``F``, so the model's own batch is ``batch_size // folded``.
+    """
 
     batch_dim: int
     token_dim: int
@@ -40,6 +45,12 @@ class StreamLayout:
     num_tokens: int
     prefix: int
     grid: tuple[int, int] | None
+    folded: int = 1
+
+    @property
+    def samples(self) -> int:
+        """The model's batch size (the stream's batch rows over the folded sequences)."""
+        return self.batch_size // self.folded
 
 
 @dataclass(frozen=True)
