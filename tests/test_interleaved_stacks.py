@@ -6,6 +6,9 @@ receive it repeated over the token positions (``[B * N, 3 C]``). A route over th
 stack runs the temporal blocks between its routed blocks on ``[B * k, F, C]``, so their
 ``[B * N, 3 C]`` value must keep the kept positions' rows: the ``tokens-folded-into-batch``
 rule views it as ``[B, N, 3 C]``, gathers each sample's kept tokens and folds it back.
+
+Without ``blocks=``, the stack whose stream has more tokens (spatial: ``N > F``) is routed
+(equal counts: ``tests/test_factorised_stacks.py``).
 """
 
 from __future__ import annotations
@@ -91,7 +94,8 @@ def _model(frames: int) -> Callable[[], nn.Module]:
 
 CASES = [
     Case("blocks=spatial", _model(FRAMES), _inputs(), [(1, 3)], {"blocks": "spatial"}),
-    Case("one-frame", _model(1), _inputs(1), [(1, 3)], {"blocks": "spatial"}),  # per sample
+    Case("default", _model(FRAMES), _inputs(), [(1, 3)]),
+    Case("one-frame", _model(1), _inputs(1), [(1, 3)]),  # no fold: per-sample selection
 ]
 CHECKS = [
     check_eval_is_bitwise_unrouted,
