@@ -26,6 +26,7 @@ import torch.fx as fx
 
 from tread_fx.adapters import SideValue, StreamLayout, adapters
 from tread_fx.errors import InvalidRateError, SelectionError, SideInputError, TokenStreamError
+from tread_fx.passes.dataflow import data_ancestors
 from tread_fx.passes.locate import BlockCall, StreamInfo, input_slots, output_slots
 from tread_fx.passes.stacks import argument_items
 from tread_fx.passes.streams import (
@@ -214,6 +215,14 @@ def _side_value(g, node, users, region, info, layout, block_nodes) -> SideValue:
         token_aligned=_is_token_aligned(meta, layout),
         from_stream=node is info.primary or nx.has_path(g, info.primary, node),
         combined_with_stream=combined,
+        from_inputs=_from_inputs(node),
+    )
+
+
+def _from_inputs(node: fx.Node) -> bool:
+    """Whether a model input's values (not only its shape, dtype or device) reach ``node``."""
+    return node.op == "placeholder" or any(
+        a.op == "placeholder" for a in data_ancestors(node, set())
     )
 
 

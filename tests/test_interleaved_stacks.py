@@ -139,15 +139,17 @@ def test_frames_as_many_as_tokens_is_refused_not_guessed():
         model(*case.inputs()[0])
 
 
-def _side(shape: tuple[int, ...], rows: int, folded: int, names=frozenset()) -> SideValue:
+def _side(shape, rows: int, folded: int, names=frozenset(), inputs: bool = True) -> SideValue:
     layout = StreamLayout(0, 1, rows, N, 0, None, folded)
     meta = TensorMeta(shape, torch.float32, torch.device("cpu"))
-    return SideValue(None, meta, names, frozenset(), layout, False, False, False)
+    return SideValue(None, meta, names, frozenset(), layout, False, False, False, inputs)
 
 
 def test_the_rule_matches_values_folding_samples_and_tokens():
     assert rows_per_token(_side((B * N, 3 * C), B * FRAMES, FRAMES)) == 1
-    assert rows_per_token(_side((B * N * 2, C), B, 1)) == 2  # [B * N * m]: m rows per token
+    assert rows_per_token(_side((B * N * FRAMES, C), B * FRAMES, FRAMES)) == FRAMES
+    assert rows_per_token(_side((B * N * 2, C), B, 1)) is None  # 2 rows per token: unknown
+    assert rows_per_token(_side((B * N, C), B, 1, inputs=False)) is None  # a constant table
     assert rows_per_token(_side((B * FRAMES, 3 * C), B * FRAMES, FRAMES)) is None  # per row
     assert rows_per_token(_side((B * N, C), B * N, N)) is None  # F == N: ambiguous
     assert "may be per row (pass) or per token" in why_not_folded(_side((B * N, C), B * N, N))
@@ -155,7 +157,7 @@ def test_the_rule_matches_values_folding_samples_and_tokens():
 
 
 def test_gather_folded_rows_keeps_each_samples_rows():
-    value = torch.arange(B * N * 2.0).view(B * N * 2, 1)  # sample, token, 2 rows per token
+    value = torch.arange(B * N * 2.0).view(B * N * 2, 1)  # sample, token, 2 frames
     idx = torch.tensor([[0, 5], [1, 15]])
     got = gather_folded_rows(value, idx, samples=B, num_tokens=N)[:, 0].tolist()
     assert got == [0.0, 1.0, 10.0, 11.0, 34.0, 35.0, 62.0, 63.0]

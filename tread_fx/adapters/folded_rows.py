@@ -7,9 +7,11 @@ blocks, on ``[B * k, F, C]``; what those blocks receive beside the stream is lai
 token position: Latte's per-sample timestep modulation repeated over the ``N`` positions
 (``timestep.repeat_interleave(N, dim=0)``, ``[B * N, 6 C]``). Such a value must keep the
 rows of the kept positions: it is viewed as ``[B, N, m, ...]`` (sample-major, then token,
-then ``m`` rows per token, ``m = 1`` for one row per position), the kept token ids of each
-sample are gathered on the token dim, and the result folds back to ``[B * k * m, ...]`` —
-the row order the kept stream gets from ``reshape(B, F, k, C).transpose(1, 2)``.
+then ``m`` rows per token: ``m = 1`` for one row per position, ``m = F`` for one per
+position and frame), the kept token ids of each sample are gathered on the token dim, and
+the result folds back to ``[B * k * m, ...]`` — the row order the kept stream gets from
+``reshape(B, F, k, C).transpose(1, 2)``. Only values computed from a model input are
+matched: a constant table whose row count happens to divide by ``B * N`` is not folded.
 
 A route over the temporal stack is the mirror image: its stream ``[B * N, F, C]`` routes
 frames, and the spatial blocks' per-frame values ``[B * F, ...]`` fold the batch with *its*
@@ -57,18 +59,20 @@ def _ambiguous(side: SideValue, rows: int) -> bool:
 
 def rows_per_token(side: SideValue) -> int | None:
     """``m`` when ``side``'s dim 0 folds the samples, the stream's tokens and ``m`` rows per
-    token (``[B * N * m, ...]``), else ``None``.
+    token, else ``None``: ``[B * N, ...]`` (``m = 1``) or, for a stream folding ``F``
+    sequences per sample, ``[B * N * F, ...]`` (one row per token and frame, ``m = F``).
 
-    Values aligned with the stream, values whose dim 0 is the stream's own batch rows (the
-    ambiguous ``F == N`` case) and streams of one sample per batch row with a single token
-    are never matched.
+    Only values computed from a model input count (a constant table, a buffer or a table
+    built from shapes alone cannot hold the batch in its rows, whatever its row count
+    divides by). Values aligned with the stream and values whose dim 0 is the stream's own
+    batch rows (the ambiguous ``F == N`` case) are never matched.
     """
     layout = side.stream
     rows = _rows(side)
     fold = layout.samples * layout.num_tokens
-    if rows is None or side.token_aligned or layout.num_tokens < 2 or fold < 1:
+    if rows is None or not side.from_inputs or side.token_aligned or layout.num_tokens < 2:
         return None
-    if rows % fold or _ambiguous(side, rows):
+    if rows not in (fold, fold * layout.folded) or _ambiguous(side, rows):
         return None
     return rows // fold
 
@@ -78,6 +82,8 @@ def why_not_folded(side: SideValue) -> str | None:
     layout = side.stream
     rows = _rows(side)
     if rows is None or side.arg_names or layout.folded < 2 or side.token_aligned:
+        return None
+    if not side.from_inputs:
         return None
     if rows != layout.samples * layout.num_tokens or not _ambiguous(side, rows):
         return None

@@ -237,8 +237,9 @@ BUILTIN_ADAPTERS: tuple[Adapter, ...] = (
         },
         diagnose=why_not_folded,
         doc=(
-            "A value whose dim 0 folds the batch with the stream's tokens, [B * N, ...] "
-            "(or [B * N * m, ...]: m rows per token), sample-major: what factorised video "
+            "A value computed from a model input whose dim 0 folds the batch with the "
+            "stream's tokens, [B * N, ...] (or [B * N * F, ...]: one row per token and "
+            "folded frame), sample-major: what factorised video "
             "blocks between the routed ones receive per token position, e.g. a per-sample "
             "timestep modulation repeated over the N positions for temporal blocks that run "
             "on [B * N, F, C]. Viewed as [B, N, m, ...], each sample's kept tokens are "

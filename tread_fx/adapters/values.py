@@ -67,6 +67,8 @@ class SideValue:
         token_aligned: Its shape has the batch and token sizes at the stream's dims.
         from_stream: It is computed from the model's first input (a version of the stream).
         combined_with_stream: A region op combines it elementwise with a region value.
+        from_inputs: Its values come from a model input (not only from constants,
+            parameters, buffers or tensor shapes): it can vary with the batch.
     """
 
     node: fx.Node
@@ -77,6 +79,7 @@ class SideValue:
     token_aligned: bool
     from_stream: bool
     combined_with_stream: bool
+    from_inputs: bool = False
 
     def dims_of_size(self, size: int) -> list[int]:
         """Dims (other than batch) of the value whose size is ``size``."""
