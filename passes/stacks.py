@@ -6,7 +6,9 @@ self.layers``) is entered at its first sub-block. Among the containers whose mem
 once each, in order, the stack is the longest chain (a container whose first block depends on
 the previous one's last: Flux's joint then single blocks) that the model's main input (the one
 the prediction is shaped like) flows through, handing the stream most directly from block to
-block. ``blocks=`` names the containers instead. Used by :mod:`tread_fx.passes.locate`.
+block; of interleaved chains (factorised spatial/temporal video blocks, which both carry the
+stream), the one whose stream has the most tokens. ``blocks=`` names the containers instead.
+Used by :mod:`tread_fx.passes.locate`.
 
 Example:
     >>> import torch
