@@ -30,7 +30,7 @@ from third_party_checks import (
 from torch import nn
 
 import tread_fx
-from tread_fx.adapters import SideValue, StreamLayout, TensorMeta
+from tread_fx.adapters import SideValue, StreamLayout, TensorMeta, adapters
 from tread_fx.adapters.folded_rows import gather_folded_rows, rows_per_token, why_not_folded
 
 B, FRAMES, N, C = 2, 3, 16, 32
@@ -151,6 +151,10 @@ def test_the_rule_matches_values_folding_samples_and_tokens():
     assert rows_per_token(_side((B * N * 2, C), B, 1)) is None  # 2 rows per token: unknown
     assert rows_per_token(_side((B * N, C), B, 1, inputs=False)) is None  # a constant table
     assert rows_per_token(_side((B * FRAMES, 3 * C), B * FRAMES, FRAMES)) is None  # per row
+    (rule,) = [a for a in adapters() if a.name == "tokens-folded-into-batch"]
+    assert rule.matches(_side((B * N, C), B, 1, frozenset({"arg1"})))
+    # a [T + N, d] RoPE table with T == N and B == 2 has B * N rows: its own rules decide
+    assert not rule.matches(_side((B * N, C), B, 1, frozenset({"image_rotary_emb"})))
     assert rows_per_token(_side((B * N, C), B * N, N)) is None  # F == N: ambiguous
     assert "may be per row (pass) or per token" in why_not_folded(_side((B * N, C), B * N, N))
     assert why_not_folded(_side((B * N, C), B * N, N, frozenset({"arg1"}))) is None
