@@ -26,6 +26,7 @@ import torch.fx as fx
 from tread_fx.adapters import SideValue, StreamLayout, adapters
 from tread_fx.adapters.values import NO_BATCH_DIM
 from tread_fx.errors import InvalidRateError, SelectionError, SideInputError, TokenStreamError
+from tread_fx.passes.dataflow import data_ancestors
 from tread_fx.passes.locate import BlockCall, StreamInfo, input_slots, output_slots
 from tread_fx.passes.packed import check_packed_strategy, segment_boundaries
 from tread_fx.passes.stacks import argument_items, argument_name
@@ -201,6 +202,14 @@ def _side_value(g, node, users, region, info, layout, block_nodes) -> SideValue:
         token_aligned=_is_token_aligned(meta, layout),
         from_stream=node is info.primary or nx.has_path(g, info.primary, node),
         combined_with_stream=combined,
+        from_inputs=_from_inputs(node),
+    )
+
+
+def _from_inputs(node: fx.Node) -> bool:
+    """Whether a model input's values (not only its shape, dtype or device) reach ``node``."""
+    return node.op == "placeholder" or any(
+        a.op == "placeholder" for a in data_ancestors(node, set())
     )
 
 
@@ -391,6 +400,7 @@ def plan_route(
         stream_prefix(g, info, info.blocks[route.start]),
         grid if meta.shape[info.token_dim] == info.num_tokens else None,
         info.suffix,  # a longer later stream keeps the image part (and its suffix) last
+        folded=info.folded,
     )
     start = info.blocks[route.start]
     entering = _entering(g, (start, stream_start), region, info, layout, strict)
@@ -460,7 +470,13 @@ def _plan_piece(gm, g, info, route: Route, follows: RoutePlan, change, strict) -
     meta = stream_start.meta["tread_meta"]
     shape = meta.shape
     layout = StreamLayout(
-        info.batch_dim, info.token_dim, _batch_size(info, shape), shape[info.token_dim], 0, None
+        info.batch_dim,
+        info.token_dim,
+        _batch_size(info, shape),
+        shape[info.token_dim],
+        0,
+        None,
+        folded=info.folded,
     )
     start = info.blocks[route.start]
     entering = _entering(g, (start, stream_start), region, info, layout, strict)

@@ -68,9 +68,13 @@ def _with_tokens(meta: Any, token_dim: int, count: int) -> Any:
 
 
 def _gathered_meta(meta: Any, crossing: Crossing, plan: RoutePlan) -> Any:
-    """The shape metadata of a gathered side value: the stream's token dim, or the token
-    row dims an adapter named (tables keep ``lead``/``trail`` rows and drop ``skip``)."""
+    """The shape metadata of a gathered side value: the stream's token dim, the token
+    row dims an adapter named (tables keep ``lead``/``trail`` rows and drop ``skip``), or
+    dim 0 of a value that folds samples x tokens x ``rows_per_token`` rows."""
     options = crossing.options or {}
+    if "rows_per_token" in options:  # [B * N * m, ...] -> [B * k * m, ...]
+        rows = options["samples"] * plan.kept_tokens * options["rows_per_token"]
+        return _with_tokens(meta, 0, rows)
     if crossing.action == "gather" or "dims" not in options:
         return _with_tokens(meta, plan.layout.token_dim, plan.kept_tokens)
     rows = plan.kept_tokens - options["skip"] + options["lead"] + options["trail"]

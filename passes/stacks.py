@@ -6,7 +6,9 @@ self.layers``) is entered at its first sub-block. Among the containers whose mem
 once each, in order, the stack is the longest chain (a container whose first block depends on
 the previous one's last: Flux's joint then single blocks) that the model's main input (the one
 the prediction is shaped like) flows through, handing the stream most directly from block to
-block. ``blocks=`` names the containers instead. Used by :mod:`tread_fx.passes.locate`.
+block; of interleaved chains (factorised spatial/temporal video blocks, which both carry the
+stream), the one whose stream has the most tokens. ``blocks=`` names the containers instead.
+Used by :mod:`tread_fx.passes.locate`.
 
 Example:
     >>> import torch
@@ -290,20 +292,50 @@ def _choose_chain(model: nn.Module, chains: list[list[str]], calls, explicit: bo
     size = lambda chain: sum(len(calls[p]) for p in chain)
     best = max(size(c) for c in chains)
     top = [c for c in chains if size(c) == best]
+    if len(top) > 1 and _interleaving(top, calls):  # both carry the stream: more to save
+        top = _most_tokens(top, calls)
     if len(top) > 1:  # the stack hands the stream straight on; a side branch takes detours
         hops = {tuple(c): _hand_off_hops(c, calls) for c in top}
         top = [c for c in top if hops[tuple(c)] == min(hops.values())]
     if len(top) > 1:
+        choices = " or ".join(f"blocks={c[0]!r}" if len(c) == 1 else f"blocks={c}" for c in top)
         raise AmbiguousBlockStackError(
             f"several block stacks of {best} blocks qualify in {type(model).__name__}: "
             f"{[' + '.join(c) for c in top]} ({'; '.join(_describe(c, calls) for c in top)})"
-            f"{_interleaving(top, calls)}; pass blocks='<path>' to route() to choose one."
+            f"{_interleaving(top, calls)}; pass {choices} to route() to choose one."
         )
     return top[0]
 
 
+def _handed_stream(chain: list[str], calls: dict[str, list[fx.Node]]) -> TensorMeta | None:
+    """The value a chain's first block hands on to its second (its token stream), if it is
+    one tensor with at least a batch, a token and a feature dim."""
+    nodes = [n for path in chain for n in calls[path]]
+    if len(nodes) < 2:
+        return None
+    first = input_slots(nodes[0])
+    slots = [k for k, v in input_slots(nodes[1]).items() if k in first and _fed_by(v, nodes[0])]
+    metas = [first[k].meta.get("tread_meta") for k in slots]
+    metas = [m for m in metas if isinstance(m, TensorMeta) and len(m.shape) >= 3]
+    return metas[0] if len(metas) == 1 else None
+
+
+def _most_tokens(chains: list[list[str]], calls: dict[str, list[fx.Node]]) -> list[list[str]]:
+    """Interleaved stacks of equal length both carry the main stream (reshaped in between,
+    e.g. spatial ``[B * F, N, C]`` and temporal ``[B * N, F, C]`` blocks): keep the one
+    whose stream has the most tokens (dim 1), where routing saves the most; all of them
+    when the counts tie or a stream's shape is unclear (the data flow cannot tell)."""
+    metas = [_handed_stream(c, calls) for c in chains]
+    if any(m is None for m in metas):
+        return chains
+    counts = [m.shape[1] for m in metas]
+    best = [c for c, n in zip(chains, counts) if n == max(counts)]
+    return best if len(best) == 1 else chains
+
+
 def _describe(chain: list[str], calls: dict[str, list[fx.Node]]) -> str:
-    """``path: 4 blocks, [8, 16, 32] (16 tokens)``: the largest tensor entering its first block."""
+    """``path: 4 blocks, [8, 16, 32] (16 tokens)``: the stream its first block hands on (else
+    the largest tensor entering that block)."""
     first = calls[chain[0]][0]
     metas = [
         m for a in first.all_input_nodes if isinstance(m := a.meta.get("tread_meta"), TensorMeta)
@@ -312,7 +344,8 @@ def _describe(chain: list[str], calls: dict[str, list[fx.Node]]) -> str:
     count = sum(len(calls[p]) for p in chain)
     if not shapes:
         return f"{' + '.join(chain)}: {count} blocks"
-    shape = max(shapes, key=lambda sh: math.prod(sh))
+    handed = _handed_stream(chain, calls)
+    shape = tuple(handed.shape) if handed else max(shapes, key=lambda sh: math.prod(sh))
     tokens = f" ({shape[1]} tokens)" if len(shape) >= 3 else ""
     return f"{' + '.join(chain)}: {count} blocks on {list(shape)}{tokens}"
 

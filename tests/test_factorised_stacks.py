@@ -2,8 +2,10 @@
 
 Spatial blocks attend over the tokens of each frame (``[B * F, N, C]``), temporal blocks over
 the frames of each position (``[B * N, F, C]``); the model reshapes between them. A route
-over one stack also runs the other stack's blocks on the kept tokens, so the data flow cannot
-tell which to route: tread_fx refuses, listing the candidate stacks with their token counts.
+over one stack also runs the other stack's blocks on the kept tokens, so data flow alone cannot
+tell which to route: by default the stack whose stream has the most tokens is
+routed (more to save); equal counts are refused, listing the candidate stacks with their
+token counts and the ``blocks=`` choices.
 With ``blocks=`` either stack routes: the stream's dim 0 folds frames (or positions) into the
 batch, and one selection shared by all folded rows keeps the same tokens in every frame of
 every video, so the other stack's blocks (which mix the frames) see consistent sequences.
@@ -84,13 +86,20 @@ def _first_call(model: nn.Module, x: torch.Tensor, **kwargs) -> None:
     tread_fx.route(model, routes=[(1, -1)], rate=0.5, **kwargs).train()(x)
 
 
-def test_interleaved_stacks_are_listed_with_their_token_counts():
+def test_interleaved_stacks_of_equal_token_counts_are_listed():
     with pytest.raises(AmbiguousBlockStackError) as err:
-        _first_call(FactorisedVideoDiT(), _video())
+        _first_call(FactorisedVideoDiT(frames=N), _video(frames=N))
     message = str(err.value)
-    assert f"spatial: 4 blocks on [{B * FRAMES}, {N}, {C}] ({N} tokens)" in message
-    assert f"temporal: 4 blocks on [{B * N}, {FRAMES}, {C}] ({FRAMES} tokens)" in message
-    assert "interleaved" in message and "blocks=" in message
+    assert f"spatial: 4 blocks on [{B * N}, {N}, {C}] ({N} tokens)" in message
+    assert f"temporal: 4 blocks on [{B * N}, {N}, {C}] ({N} tokens)" in message
+    assert "interleaved" in message and "pass blocks='spatial' or blocks='temporal'" in message
+
+
+def test_by_default_the_stack_with_more_tokens_is_routed():
+    model = FactorisedVideoDiT()
+    _first_call(model, _video())
+    (info,) = tread_fx.route_info(model)
+    assert info.num_tokens == N and info.kept.shape == (B * FRAMES, N // 2)
 
 
 CASES = [

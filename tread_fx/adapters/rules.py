@@ -5,8 +5,9 @@ assumes. The registry consults user adapters first, then these:
 ``broadcast-over-tokens``, ``per-token-modulation``, ``conditioning-by-name``,
 ``rope-timm-eva``, ``rope-per-sample``, ``rope-batch-shared``, ``rope-other-stream``,
 ``attention-mask``, ``attention-mask-shared``, ``position-ids``, ``position-ids-shared``,
-``token-index-shared``, ``stream-derived``, ``residual``; before them, for packed
-``[tokens, dim]`` streams only, ``packed-offsets`` and ``packed-segment-ids``.
+``token-index-shared``, ``tokens-folded-into-batch``, ``stream-derived``, ``residual``;
+before them, for packed ``[tokens, dim]`` streams only, ``packed-offsets`` and
+``packed-segment-ids``.
 
 Example:
     >>> from tread_fx.adapters.rules import BUILTIN_ADAPTERS
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from tread_fx.adapters.folded_rows import gather_folded_rows, rows_per_token, why_not_folded
 from tread_fx.adapters.registry import Adapter, SideValue
 from tread_fx.adapters.token_tables import (
     RowMap,
@@ -236,6 +238,12 @@ def _per_token_modulation(side: SideValue) -> bool:
     )
 
 
+def _folded_rows(side: SideValue) -> bool:
+    """A [B * N, ...] value not received as a RoPE table or a mask (see folded_rows)."""
+    tables = _received_as_rotary(side) or _received_as(side, _MASK_NAMES)
+    return not tables and rows_per_token(side) is not None
+
+
 BUILTIN_ADAPTERS: tuple[Adapter, ...] = (
     Adapter(
         name="packed-offsets",
@@ -421,6 +429,30 @@ BUILTIN_ADAPTERS: tuple[Adapter, ...] = (
             "per token (a per-token modulation index, a segment or modality id, a position): "
             "the kept tokens keep their entries, indexed with a selection shared across the "
             "batch. Floating-point [N] vectors are not assumed to be per token."
+        ),
+        builtin=True,
+    ),
+    Adapter(
+        name="tokens-folded-into-batch",
+        matches=_folded_rows,
+        action=gather_folded_rows,
+        options=lambda side: {
+            "samples": side.stream.samples,
+            "rows_per_token": rows_per_token(side),
+        },
+        diagnose=why_not_folded,
+        doc=(
+            "A value computed from a model input whose dim 0 folds the batch with the "
+            "stream's tokens, [B * N, ...] (or [B * N * F, ...]: one row per token and "
+            "folded frame), sample-major: what factorised video "
+            "blocks between the routed ones receive per token position, e.g. a per-sample "
+            "timestep modulation repeated over the N positions for temporal blocks that run "
+            "on [B * N, F, C]. Viewed as [B, N, m, ...], each sample's kept tokens are "
+            "gathered and the result folds back to [B * k * m, ...], the row order of the "
+            "kept stream reshaped the same way. A value whose dim 0 is also the stream's own "
+            "batch rows (a folded stream with as many sequences as tokens) is ambiguous and "
+            "not matched; nor are values received under rotary or mask names (their rules "
+            "above decide: Flux's [T + N, d] RoPE table has B * N rows when T == N and B == 2)."
         ),
         builtin=True,
     ),

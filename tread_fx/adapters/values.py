@@ -42,6 +42,10 @@ class StreamLayout:
 
     A packed ``[tokens, dim]`` stream (samples concatenated along the tokens) has
     ``batch_dim == NO_BATCH_DIM``, ``token_dim == 0`` and ``batch_size == 1``.
+
+    ``batch_size`` is the size of the stream's batch dim; for a stream whose dim 0 folds
+    frames (or positions) into the batch (``[B * F, N, C]``) it is ``B * F`` and ``folded``
+    is ``F``, so the model's own batch is ``batch_size // folded``.
     """
 
     batch_dim: int
@@ -51,11 +55,17 @@ class StreamLayout:
     prefix: int
     grid: tuple[int, int] | None
     suffix: int = 0
+    folded: int = 1
 
     @property
     def routable(self) -> int:
         """Tokens a route may leave out: all but the prefix and the suffix."""
         return self.num_tokens - self.prefix - self.suffix
+
+    @property
+    def samples(self) -> int:
+        """The model's batch size (the stream's batch rows over the folded sequences)."""
+        return self.batch_size // self.folded
 
 
 @dataclass(frozen=True)
@@ -72,6 +82,8 @@ class SideValue:
         token_aligned: Its shape has the batch and token sizes at the stream's dims.
         from_stream: It is computed from the model's first input (a version of the stream).
         combined_with_stream: A region op combines it elementwise with a region value.
+        from_inputs: Its values come from a model input (not only from constants,
+            parameters, buffers or tensor shapes): it can vary with the batch.
     """
 
     node: fx.Node
@@ -82,6 +94,7 @@ class SideValue:
     token_aligned: bool
     from_stream: bool
     combined_with_stream: bool
+    from_inputs: bool = False
 
     def dims_of_size(self, size: int) -> list[int]:
         """Dims (other than batch) of the value whose size is ``size``."""
