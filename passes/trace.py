@@ -51,15 +51,12 @@ from tread_fx.passes.trace_mutation import (
 )
 from tread_fx.passes.trace_support import (
     DataDependentError,
-    checkpoint_as_plain_call,
-    factories_take_proxies,
     has_call_hooks,
     name_placeholders,
     python_modules,
-    refuse_python_random,
-    report_grad_mode,
     side_effect_error,
     store_object_constant,
+    trace_restoring_state,
     traceback_location,
     untraceable_error,
     user_frame,
@@ -432,10 +429,6 @@ def _fetch_attr(root: nn.Module, target: str) -> Any:
     return obj
 
 
-def _snapshot_buffers(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(b, b.detach().clone()) for b in model.buffers()]
-
-
 def trace_call(model: nn.Module, args: tuple, kwargs: dict, leaf_paths: set[str]) -> TracedCall:
     """Trace ``model(*args, **kwargs)`` into a GraphModule with tensor-only inputs.
 
@@ -473,7 +466,7 @@ def trace_call(model: nn.Module, args: tuple, kwargs: dict, leaf_paths: set[str]
         tracer._autowrap_search.extend(python_modules(model))
         tracer._autowrap_search.extend(m for f in auto_functions for m in defining_modules(f))
         try:
-            graph = _trace_restoring_state(tracer, wrapper, model, tensors)
+            graph = trace_restoring_state(tracer, wrapper, model, tensors)
             effects = side_effects(flags, model, graph)
             if not effects:
                 break
@@ -501,25 +494,3 @@ def trace_call(model: nn.Module, args: tuple, kwargs: dict, leaf_paths: set[str]
     gm = fx.GraphModule(wrapper, graph, class_name=type(model).__name__ + "Traced")
     name_placeholders(gm.graph, (args, kwargs), wrapper.tensor_positions)
     return TracedCall(gm, wrapper, in_spec, wrapper.tensor_positions, wrapper.out_spec, auto_leaves)
-
-
-def _trace_restoring_state(
-    tracer: ValueTracer, wrapper: FlatCall, model: nn.Module, tensors: list[torch.Tensor]
-) -> fx.Graph:
-    devices = sorted({t.device.index for t in tensors if t.device.type == "cuda"})
-    buffers = _snapshot_buffers(model)
-    grad_mode = torch.is_grad_enabled()
-    try:
-        with (
-            torch.random.fork_rng(devices=devices),
-            torch.no_grad(),
-            report_grad_mode(tracer, grad_mode),
-            factories_take_proxies(tracer),
-            refuse_python_random(tracer),
-            checkpoint_as_plain_call(tracer, model),
-        ):
-            return tracer.trace(wrapper)
-    finally:
-        with torch.no_grad():
-            for live, saved in buffers:
-                live.copy_(saved)

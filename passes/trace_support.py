@@ -47,6 +47,7 @@ __all__ = [
     "traceback_location",
     "untraceable_error",
     "store_object_constant",
+    "trace_restoring_state",
 ]
 
 _PYTHON_RANDOM = ("random", "uniform", "randint", "randrange", "choice", "sample", "shuffle")
@@ -315,3 +316,32 @@ def store_object_constant(root: nn.Module, obj: Any) -> str | None:
     name = f"{_OBJECT_PREFIX}{len(stored)}"
     setattr(root, name, obj)
     return name
+
+
+def _snapshot_buffers(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(b, b.detach().clone()) for b in model.buffers()]
+
+
+def trace_restoring_state(
+    tracer: fx.Tracer, wrapper: nn.Module, model: nn.Module, tensors: list[torch.Tensor]
+) -> fx.Graph:
+    """``tracer.trace(wrapper)`` under no_grad, leaving RNG state and ``model``'s buffers
+    (BatchNorm statistics) as they were; Python ``random`` is refused, factories take
+    proxies, checkpointed calls are traced as plain calls."""
+    devices = sorted({t.device.index for t in tensors if t.device.type == "cuda"})
+    buffers = _snapshot_buffers(model)
+    grad_mode = torch.is_grad_enabled()
+    try:
+        with (
+            torch.random.fork_rng(devices=devices),
+            torch.no_grad(),
+            report_grad_mode(tracer, grad_mode),
+            factories_take_proxies(tracer),
+            refuse_python_random(tracer),
+            checkpoint_as_plain_call(tracer, model),
+        ):
+            return tracer.trace(wrapper)
+    finally:
+        with torch.no_grad():
+            for live, saved in buffers:
+                live.copy_(saved)

@@ -1,0 +1,100 @@
+"""Wrappers around a model: DDP / DataParallel / FSDP / ``torch.compile``.
+
+``route()`` must see the plain model (route first, then wrap); :func:`unwrap` finds it inside
+any nesting of wrappers.
+
+Example:
+    >>> import torch, tread_fx
+    >>> from tread_fx.wrappers import unwrap
+    >>> model = tread_fx.models.DiT_S_2(input_size=8, depth=2)
+    >>> unwrap(torch.compile(torch.nn.DataParallel(model))) is model
+    True
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from torch import nn
+
+from tread_fx.errors import WrappedModelError
+
+__all__ = ["unwrap", "check_unwrapped"]
+
+_WRAPPER_ATTRIBUTES = {
+    "DistributedDataParallel": "module",
+    "DataParallel": "module",
+    "FullyShardedDataParallel": "module",
+    "OptimizedModule": "_orig_mod",
+}
+
+
+def unwrap(model: Any) -> Any:
+    """The model inside DDP / DataParallel / FSDP / ``torch.compile`` wrappers (any nesting).
+
+    Example:
+        >>> import torch, tread_fx
+        >>> model = tread_fx.models.DiT_S_2(input_size=8, depth=2)
+        >>> unwrap(torch.nn.DataParallel(model)) is model
+        True
+    """
+    seen = 0
+    while seen < 16:
+        attribute = _WRAPPER_ATTRIBUTES.get(type(model).__name__)
+        inner = getattr(model, attribute, None) if attribute else None
+        if not isinstance(inner, nn.Module):
+            return model
+        model, seen = inner, seen + 1
+    return model
+
+
+def check_unwrapped(model: Any) -> None:
+    """Refuse a model that is wrapped, sharded or compiled already (route first, then wrap).
+
+    Raises:
+        WrappedModelError: naming the wrapper and what to pass instead.
+    """
+    if not isinstance(model, nn.Module):
+        raise WrappedModelError(
+            f"route() expects an nn.Module, got {type(model).__name__}; pass the model itself."
+        )
+    wrappers = {
+        "DistributedDataParallel": "model.module",
+        "DataParallel": "model.module",
+        "FullyShardedDataParallel": "the unwrapped module",
+        "OptimizedModule": "model._orig_mod",
+    }
+    name = type(model).__name__
+    if name in wrappers:
+        raise WrappedModelError(
+            f"route() was given a {name} wrapper; route the model first, then wrap it "
+            f"(route -> DDP/FSDP/torch.compile). To route this one, pass {wrappers[name]}."
+        )
+    sharded = _fully_sharded(model)
+    if sharded is not None:
+        what = f"a {name} whose submodule {sharded!r} is" if sharded else f"a {name}"
+        raise WrappedModelError(
+            f"route() was given {what} already sharded by FSDP2's fully_shard; route first, "
+            "then shard: tread_fx.route(model, ...), then fully_shard(block) for each block and "
+            "fully_shard(model), then torch.compile. "
+            "Build the model again (or load its unsharded state_dict) and route that."
+        )
+    if getattr(model, "_compiled_call_impl", None) is not None:
+        raise WrappedModelError(
+            f"route() was given a {name} on which model.compile() was already called; route "
+            "first, then compile: tread_fx.route(model, ...), then model.compile() (or "
+            "route(..., compile=True), which compiles the routed graph)."
+        )
+
+
+def _fully_sharded(model: nn.Module) -> str | None:
+    """The path of the first module FSDP2's ``fully_shard`` was applied to (``""``: the model)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # nothing is sharded before it is imported
+    fsdp_module = getattr(fsdp, "FSDPModule", None)
+    if fsdp_module is None:
+        return None
+    for path, module in model.named_modules():
+        if isinstance(module, fsdp_module):
+            return path
+    return None
