@@ -416,6 +416,15 @@ def plan_route(
             f"route ({route.start}, {route.end}) at rate {route.rate} keeps {keep} of {units} "
             f"selectable units ({strategy.name}); lower the rate so at least one is kept."
         )
+    if route.rate > 0 and units == 1:
+        raise TokenStreamError(
+            f"route ({route.start}, {route.end}): the stream has {layout.num_tokens} tokens, "
+            f"but only 1 selectable unit ({strategy.name}) once its never-routed "
+            f"{layout.prefix} leading and {layout.suffix} trailing tokens (not computed from "
+            "the main input: text, registers, condition tokens) are left out, so no rate can "
+            "route anything around. Route a stack whose blocks see more image tokens, pass "
+            "keep_prefix= if the prefix was detected wrongly, or drop the route."
+        )
     if route.rate > 0 and keep >= units:
         raise InvalidRateError(
             f"route ({route.start}, {route.end}) at rate {route.rate} keeps all {units} "

@@ -17,13 +17,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from third_party_checks import (
+    INVARIANTS,
     Case,
     capture_block_inputs,
     check_compiled,
-    check_eval_is_bitwise_unrouted,
-    check_gradients,
-    check_rate_zero_equals_training,
-    check_routed_shape_count_and_change,
 )
 from torch import nn
 
@@ -108,12 +105,7 @@ CASES = [
         "temporal", FactorisedVideoDiT, lambda: ((_video(),), {}), [(1, 4)], {"blocks": "temporal"}
     ),
 ]
-CHECKS = [
-    check_eval_is_bitwise_unrouted,
-    check_rate_zero_equals_training,
-    check_routed_shape_count_and_change,
-    check_gradients,
-]
+CHECKS = INVARIANTS
 
 
 @pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)

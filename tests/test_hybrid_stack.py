@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 from third_party_checks import (
+    INVARIANTS,
     Case,
     check_eval_is_bitwise_unrouted,
-    check_gradients,
     check_rate_zero_equals_training,
     check_routed_shape_count_and_change,
 )
@@ -76,12 +76,7 @@ def test_a_mixed_class_list_is_the_stack_and_explain_names_each_blocks_class():
     assert "AttentionLayer" in text and "ScanLayer" in text
 
 
-CHECKS = [
-    check_eval_is_bitwise_unrouted,
-    check_rate_zero_equals_training,
-    check_routed_shape_count_and_change,
-    check_gradients,
-]
+CHECKS = INVARIANTS
 
 
 @pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)

@@ -19,13 +19,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from third_party_checks import (
+    INVARIANTS,
     Case,
     capture_block_inputs,
     check_compiled,
-    check_eval_is_bitwise_unrouted,
-    check_gradients,
-    check_rate_zero_equals_training,
-    check_routed_shape_count_and_change,
 )
 from torch import nn
 
@@ -97,12 +94,7 @@ CASES = [
     Case("default", _model(FRAMES), _inputs(), [(1, 3)]),
     Case("one-frame", _model(1), _inputs(1), [(1, 3)]),  # no fold: per-sample selection
 ]
-CHECKS = [
-    check_eval_is_bitwise_unrouted,
-    check_rate_zero_equals_training,
-    check_routed_shape_count_and_change,
-    check_gradients,
-]
+CHECKS = INVARIANTS
 
 
 @pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)

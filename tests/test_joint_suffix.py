@@ -190,3 +190,12 @@ def test_explain_names_the_suffix():
     assert f"{T} suffix token(s)" in text
     assert f"tokens {R + N}..{R + N + T - 1}" in text
     assert tread_fx.inspection.report.to_dict(exp)["stream"]["suffix"] == T
+
+
+def test_one_image_token_between_prefix_and_suffix_is_refused_naming_them():
+    """Registers, one image token (a 2 x 2 latent), text: nothing is left to route around."""
+    model = tread_fx.route(TextBehindDiT(registers=R), [(1, 4)], 0.5)
+    gen = torch.Generator().manual_seed(3)
+    args = (torch.randn(B, 4, 2, 2, generator=gen), torch.randn(B, T, 8, generator=gen))
+    with pytest.raises(tread_fx.TokenStreamError, match=r"only 1 selectable unit.*2 leading and 6"):
+        model.train()(*args, torch.rand(B, generator=gen))

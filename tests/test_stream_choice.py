@@ -15,11 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from third_party_checks import (
+    INVARIANTS,
     Case,
     check_compiled,
-    check_eval_is_bitwise_unrouted,
-    check_gradients,
-    check_rate_zero_equals_training,
     check_routed_shape_count_and_change,
 )
 from torch import nn
@@ -128,12 +126,7 @@ CASES = [
     Case("type-as-mask", CastMaskDiT, _mask_inputs, routes=[(1, 4)]),
     Case("per-token-modulation", PerTokenModulationDiT, _modulation_inputs, routes=[(1, 4)]),
 ]
-CHECKS = [
-    check_eval_is_bitwise_unrouted,
-    check_rate_zero_equals_training,
-    check_routed_shape_count_and_change,
-    check_gradients,
-]
+CHECKS = INVARIANTS
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)

@@ -13,12 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from third_party_checks import (
+    INVARIANTS,
     Case,
     check_compiled,
-    check_eval_is_bitwise_unrouted,
-    check_gradients,
-    check_rate_zero_equals_training,
-    check_routed_shape_count_and_change,
 )
 from torch import nn
 
@@ -134,12 +131,7 @@ CASES = [
     Case("grid-windowed", GridViT, _grid_inputs, routes=[(1, 4)]),
     Case("head-split", HeadSplitDiT, _head_inputs, routes=[(1, 4)]),
 ]
-CHECKS = [
-    check_eval_is_bitwise_unrouted,
-    check_rate_zero_equals_training,
-    check_routed_shape_count_and_change,
-    check_gradients,
-]
+CHECKS = INVARIANTS
 
 
 @pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)

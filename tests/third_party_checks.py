@@ -27,6 +27,7 @@ __all__ = [
     "check_gradients",
     "check_compiled",
     "capture_block_inputs",
+    "INVARIANTS",
 ]
 
 
@@ -154,3 +155,12 @@ def capture_block_inputs(block: torch.nn.Module) -> Iterator[list[tuple[tuple, d
         yield calls
     finally:
         handle.remove()
+
+
+INVARIANTS = [
+    check_eval_is_bitwise_unrouted,
+    check_rate_zero_equals_training,
+    check_routed_shape_count_and_change,
+    check_gradients,
+]
+"""The DESIGN §5 invariant checks, for ``@pytest.mark.parametrize("check", INVARIANTS)``."""
