@@ -13,11 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from third_party_checks import (
+    INVARIANTS,
     Case,
-    check_eval_is_bitwise_unrouted,
-    check_gradients,
-    check_rate_zero_equals_training,
-    check_routed_shape_count_and_change,
 )
 from torch import nn
 
@@ -106,15 +103,7 @@ def test_explain_names_the_rule(name):
     assert f"adapter '{RULES[name]}'" in exp
 
 
-@pytest.mark.parametrize(
-    "check",
-    [
-        check_eval_is_bitwise_unrouted,
-        check_rate_zero_equals_training,
-        check_routed_shape_count_and_change,
-        check_gradients,
-    ],  # fmt: skip
-)
+@pytest.mark.parametrize("check", INVARIANTS, ids=lambda c: c.__name__)
 @pytest.mark.parametrize("name", list(CASES))
 def test_invariants(check, name):
     check(CASES[name])

@@ -16,12 +16,9 @@ from __future__ import annotations
 import pytest
 import torch
 from third_party_checks import (
+    INVARIANTS,
     Case,
     check_compiled,
-    check_eval_is_bitwise_unrouted,
-    check_gradients,
-    check_rate_zero_equals_training,
-    check_routed_shape_count_and_change,
     train_forward,
 )
 from torch import nn
@@ -265,15 +262,7 @@ def test_a_block_that_cannot_be_traced_through_is_refused():
         train_forward(model, case)
 
 
-@pytest.mark.parametrize(
-    "check",
-    [
-        check_eval_is_bitwise_unrouted,
-        check_rate_zero_equals_training,
-        check_routed_shape_count_and_change,
-        check_gradients,
-    ],  # fmt: skip
-)
+@pytest.mark.parametrize("check", INVARIANTS, ids=lambda c: c.__name__)
 @pytest.mark.parametrize("name", list(CASES))
 def test_invariants(check, name):
     check(CASES[name])

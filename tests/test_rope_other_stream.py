@@ -9,13 +9,12 @@ docs/design.md#invariants.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from third_party_checks import (
+    INVARIANTS,
     Case,
     capture_block_inputs,
-    check_eval_is_bitwise_unrouted,
-    check_gradients,
-    check_rate_zero_equals_training,
     check_routed_shape_count_and_change,
 )
 from torch import nn
@@ -76,18 +75,14 @@ def _inputs() -> tuple[tuple, dict]:
 CASE = Case("CrossRotary", CrossRotary, _inputs, routes=[(1, -1)])
 
 
-def test_eval_is_bitwise_unrouted():
-    check_eval_is_bitwise_unrouted(CASE)
+@pytest.mark.parametrize("check", INVARIANTS, ids=lambda c: c.__name__)
+def test_invariants(check):
+    check(CASE)
 
 
-def test_rate_zero_equals_training():
-    check_rate_zero_equals_training(CASE)
-
-
-def test_routed_and_gradients():
+def test_half_the_tokens_are_kept():
     infos = check_routed_shape_count_and_change(CASE)
     assert infos[0].kept.shape[1] == N // 2
-    check_gradients(CASE)
 
 
 def test_the_image_table_is_cut_and_the_condition_table_passed():
