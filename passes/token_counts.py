@@ -70,6 +70,7 @@ def count_arguments(
     tokens = stream_tokens(info.blocks[route.start], info)
     others = _other_sequences(info.blocks[route.start], info, passed, name)
     found = []
+    constant_by_list: dict[str, set[tuple]] = {}
     for block in info.blocks[route.start : route.end]:
         shift = stream_tokens(block, info) - tokens  # tokens concatenated in front (crossing)
         kept = kept_tokens - prefix - suffix
@@ -82,7 +83,9 @@ def count_arguments(
         if suffix:
             counts.append(("the never-routed suffix of the stream", suffix, suffix))
         counts += others
-        constant = _constant_slots(info, block)
+        if block.list_path not in constant_by_list:
+            constant_by_list[block.list_path] = _constant_slots(info, block)
+        constant = constant_by_list[block.list_path]
         for slot, number in int_arguments(block.node):
             if (block.node, slot) in skip or slot not in constant:
                 continue

@@ -15,7 +15,9 @@ matched: a constant table whose row count happens to divide by ``B * N`` is not 
 
 A route over the temporal stack is the mirror image: its stream ``[B * N, F, C]`` routes
 frames, and the spatial blocks' per-frame values ``[B * F, ...]`` fold the batch with *its*
-tokens (the frames), so the same rule gathers their kept frames.
+tokens (the frames), which this rule matches too. Values received under a conditioning name
+are passed by an earlier rule, though: Latte's per-frame text (``encoder_hidden_states``
+``[B * F, T, C]``) is, so a route over its temporal stack fails on its first call.
 
 When the stream itself folds as many sequences per sample as it has tokens
 (``F == N``), ``[B * N, ...]`` has the stream's row count and cannot be told from a

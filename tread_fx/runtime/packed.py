@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from tread_fx.runtime.selection import with_prefix
+
 __all__ = ["segment_ids_of", "select_segments", "kept_offsets"]
 
 
@@ -73,11 +75,8 @@ def select_segments(
     # stratified: a token's score is its rank's place within its own segment; the ``keep``
     # lowest scores give each segment its proportional share (ties broken by the noise)
     score = (rank.double() + 0.5) / size.double() + noise[0].double() * (0.25 / units**2)
-    kept = score.topk(keep, largest=False).indices.sort().values + prefix
-    if prefix:
-        head = torch.arange(prefix, device=kept.device, dtype=kept.dtype)
-        kept = torch.cat([head, kept])
-    return kept.unsqueeze(0)
+    kept = score.topk(keep, largest=False).indices.sort().values
+    return with_prefix(kept.unsqueeze(0), prefix)
 
 
 def kept_offsets(value: torch.Tensor, idx: torch.Tensor, **layout: Any) -> torch.Tensor:

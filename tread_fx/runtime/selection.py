@@ -32,6 +32,7 @@ __all__ = [
     "select_random",
     "select_rows",
     "kept_units",
+    "with_prefix",
     "with_suffix",
 ]
 
@@ -83,7 +84,9 @@ def kept_units(units: int, rate: float) -> int:
     return units - math.floor(units * rate)
 
 
-def _with_prefix(kept: torch.Tensor, prefix: int) -> torch.Tensor:
+def with_prefix(kept: torch.Tensor, prefix: int) -> torch.Tensor:
+    """Shift kept ids [B, k] of the routable tokens past ``prefix`` never-routed leading
+    tokens and put those tokens' ids first; still ascending."""
     if prefix == 0:
         return kept
     head = torch.arange(prefix, device=kept.device, dtype=kept.dtype).expand(kept.shape[0], prefix)
@@ -110,7 +113,7 @@ def select_random(
     noise: torch.Tensor, keep: int, prefix: int, grid: tuple[int, int] | None = None
 ) -> torch.Tensor:
     """Keep ``keep`` uniformly random tokens per sample, ascending, after ``prefix`` tokens."""
-    return _with_prefix(_smallest_sorted(noise, keep), prefix)
+    return with_prefix(_smallest_sorted(noise, keep), prefix)
 
 
 def select_rows(
@@ -126,7 +129,7 @@ def select_rows(
     cols = torch.arange(width, device=noise.device)
     in_frame = (rows[:, :, None] * width + cols).flatten(1)  # [B, r * W]
     starts = torch.arange(frames, device=noise.device) * (height * width)
-    return _with_prefix((starts[:, None] + in_frame[:, None, :]).flatten(1), prefix)
+    return with_prefix((starts[:, None] + in_frame[:, None, :]).flatten(1), prefix)
 
 
 register_strategy(Strategy("random", False, lambda n, grid: n, select_random))
