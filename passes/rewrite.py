@@ -169,15 +169,13 @@ def rewrite_route(
     else:
         noise = _add_noise_input(graph, plan)
         with graph.inserting_before(plan.start_block.node):
-            kwargs = {
-                "keep": plan.keep_units, "prefix": plan.layout.prefix, "grid": plan.layout.grid
-            }  # fmt: skip
+            kwargs = {"keep": plan.keep_units, "prefix": plan.layout.prefix}
             if plan.segments is not None:  # a packed stream: select within each segment
                 boundaries, kind = plan.segments
-                kwargs = {"keep": plan.keep_units, "prefix": plan.layout.prefix}
                 kwargs |= {"boundaries": boundaries, "kind": kind}
                 idx = graph.call_function(select_segments, (noise,), kwargs)
             else:
+                kwargs["grid"] = plan.layout.grid
                 idx = graph.call_function(strategy.select, (noise,), kwargs)
             if plan.layout.suffix:  # trailing tokens (text behind the image) are always kept
                 tail = (plan.layout.num_tokens - plan.layout.suffix, plan.layout.suffix)

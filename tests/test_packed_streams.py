@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from third_party_checks import (
+    INVARIANTS,
     Case,
     capture_block_inputs,
     check_compiled,
@@ -314,3 +315,39 @@ def test_a_packed_stream_of_one_token_is_refused():
 
     with pytest.raises(TokenStreamError, match="1 token, so routing would save nothing"):
         packed_layout((1, D))
+
+
+class PromptBehindModel(PackedModel):
+    """Prompt tokens concatenated *behind* the packed samples (one more segment id): a
+    never-routed suffix of the packed stream, selected per segment before it."""
+
+    def __init__(self) -> None:
+        super().__init__(SegmentIdsBlock)
+        self.prompt = nn.Parameter(torch.randn(PROMPT, D))
+
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, position_ids: torch.Tensor):
+        h = torch.cat([self.embed(x), self.prompt])
+        segments = torch.searchsorted(cu_seqlens[1:], torch.arange(x.shape[0]), right=True)
+        segments = torch.cat([segments, torch.full((PROMPT,), len(LENGTHS))])
+        positions = torch.cat([position_ids, torch.arange(PROMPT)])
+        for block in self.blocks:
+            h = block(h, segments, positions)
+        return self.out(h[: x.shape[0]])
+
+
+PROMPT_BEHIND = Case("packed-prompt-behind", PromptBehindModel, _inputs, routes=[(1, 4)])
+
+
+@pytest.mark.parametrize("check", INVARIANTS, ids=lambda c: c.__name__)
+def test_a_prompt_segment_behind_is_never_routed(check):
+    check(PROMPT_BEHIND)
+
+
+def test_a_prompt_segment_behind_is_kept_last():
+    kept, _ = _routed_call(PROMPT_BEHIND)
+    assert torch.equal(kept[-PROMPT:], torch.arange(T, T + PROMPT))
+    noisy = kept[:-PROMPT]
+    assert noisy.shape[0] == T - T // 2
+    counts = torch.bincount(_segment_of(noisy), minlength=len(LENGTHS))
+    for count, length in zip(counts.tolist(), LENGTHS):
+        assert abs(count - length * noisy.shape[0] / T) <= 1, (counts, LENGTHS)

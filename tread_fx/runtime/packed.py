@@ -58,7 +58,8 @@ def select_segments(
     """Kept token ids [1, prefix + keep] of a packed stream, ascending, per segment.
 
     Args:
-        noise: Uniform noise [1, T - prefix] (drawn outside the graph).
+        noise: Uniform noise [1, routable] (drawn outside the graph): the tokens after
+            the prefix and before a never-routed suffix.
         keep: Routable tokens kept in all (``T - floor(T * rate)`` of the routable ones).
         prefix: Leading tokens always kept.
         boundaries: ``cu_seqlens`` [S + 1] (``kind="offsets"``) or segment ids [T]
@@ -70,7 +71,7 @@ def select_segments(
         to a neighbouring whole token, at random positions within itself.
     """
     units = noise.shape[1]
-    segments = segment_ids_of(boundaries, kind, prefix + units)[prefix:]
+    segments = segment_ids_of(boundaries, kind, prefix + units)[prefix : prefix + units]
     rank, size = _rank_in_segment(segments, noise[0])
     # stratified: a token's score is its rank's place within its own segment; the ``keep``
     # lowest scores give each segment its proportional share (ties broken by the noise)
