@@ -59,9 +59,8 @@ def check_traced_value(value: Any, expected: Any, kind: str, where: str) -> None
     torch.ops.tread_fx.check_guard(same.all(), message)
 
 
-@torch.library.custom_op("tread_fx::check_guard", mutates_args=("same",))
+@torch.library.custom_op("tread_fx::check_guard", mutates_args=())
 def _check_guard(same: torch.Tensor, message: str) -> None:
-    # declared as writing ``same`` so compilers keep the call (it has no output); it does not
     if not bool(same):  # host-side: on CUDA a sync, never a device assert
         raise RuntimeError(message)
 
@@ -69,3 +68,7 @@ def _check_guard(same: torch.Tensor, message: str) -> None:
 @_check_guard.register_fake
 def _(same: torch.Tensor, message: str) -> None:
     return None
+
+
+# no output: marked side-effectful so that graph compilers (dead-code elimination) keep it
+torch.fx.node.has_side_effect(torch.ops.tread_fx.check_guard.default)
