@@ -10,6 +10,10 @@
   as plain, marked calls.
 - :class:`DataDependentError` and :func:`user_frame`: what those refusals raise, and where.
 
+Every patch goes through :func:`tread_fx.passes.thread_patch.thread_local_patch`, so only the
+tracing thread sees it (a new tracing patch must use it too); :func:`trace_restoring_state`
+holds ``TRACING_LOCK`` (one trace at a time) and routes fx's own patching the same way.
+
 Example:
     >>> # used by tread_fx.passes.trace.trace_call
 """

@@ -56,7 +56,8 @@ def test_a_routed_model_round_trips_and_continues_the_same_selections(round_trip
     for _ in range(2):  # the generator state travelled: both draw the same next selections
         assert torch.equal(_kept(loaded, inputs), _kept(model, inputs))
         assert torch.allclose(loaded.train()(*inputs), model.train()(*inputs), atol=1e-6)
-    assert all(p.data_ptr() != q.data_ptr() for p, q in zip(model.parameters(), loaded.parameters()))
+    pairs = zip(model.parameters(), loaded.parameters())
+    assert all(p.data_ptr() != q.data_ptr() for p, q in pairs)
 
 
 def test_a_loaded_routed_model_trains_routed_and_unroutes():
