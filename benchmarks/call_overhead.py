@@ -20,7 +20,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 import tread_fx
-from tread_fx.api import _STATE, _signature
+from tread_fx.api import _STATE
+from tread_fx.module_state import call_signature
 from tread_fx.passes.trace_support import has_call_hooks
 
 __all__ = ["measure", "main"]
@@ -29,7 +30,7 @@ __all__ = ["measure", "main"]
 def _walk_checks(model: torch.nn.Module, state, spec, flat) -> None:
     """The checks as every call made them before (walks the whole module tree)."""
     modes = tuple(m.training for m in model.modules())
-    _signature(spec, flat, modes)
+    call_signature(spec, flat, modes)
     entry = next(iter(state.entries.values()))
     any(has_call_hooks(m) for m in entry.inlined)
 
@@ -37,7 +38,7 @@ def _walk_checks(model: torch.nn.Module, state, spec, flat) -> None:
 def _cached_checks(model: torch.nn.Module, state, spec, flat) -> None:
     """The checks as ``route()`` makes them now."""
     hooks_added = state.modules.hooks_changed()
-    _signature(spec, flat, state.modules.modes(model, hooks_added))
+    call_signature(spec, flat, state.modules.modes(model, hooks_added))
 
 
 def _median_us(fn, repeats: int) -> float:

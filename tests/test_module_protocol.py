@@ -115,12 +115,22 @@ def test_the_per_call_check_does_not_walk_the_module_tree(monkeypatch):
     assert walks == []
 
 
-def test_a_submodule_switched_to_eval_is_still_noticed():
+def test_a_module_the_trace_went_through_switched_to_eval_traces_again():
     model, inputs = _routed(), dit_inputs()
     _kept(model, inputs)
-    model.blocks[1].eval()  # another signature: traced again, not the cached graph
-    model(*inputs)  # still in training mode but for blocks[1]
+    model.t_embedder.eval()  # its code is inlined in the routed graph: another signature
+    model(*inputs)  # still in training mode but for t_embedder
     assert len(tread_fx.routed_graphs(model)) == 2
+
+
+def test_a_called_block_switched_to_eval_runs_the_same_graph_in_its_own_mode():
+    model, inputs = _routed(), dit_inputs()
+    _kept(model, inputs)
+    seen = []
+    model.blocks[1].register_forward_pre_hook(lambda m, a: seen.append(m.training))
+    model.blocks[1].eval()  # the graph calls the block, which reads its own flag
+    model(*inputs)
+    assert seen == [False] and len(tread_fx.routed_graphs(model)) == 1
 
 
 def test_a_hook_added_after_the_trace_makes_an_inlined_module_traced_again():

@@ -35,7 +35,7 @@ from tread_fx.errors import (
     RoutedGraphError,
     TreadFxError,
 )
-from tread_fx.module_state import ModuleModes
+from tread_fx.module_state import ModuleModes, call_signature, traced_through
 from tread_fx.passes.rewrite import Reinsert
 from tread_fx.passes.trace import MODEL_PREFIX
 from tread_fx.passes.trace_support import has_call_hooks
@@ -145,13 +145,16 @@ class _RoutingState:
             return type(model).forward(model, *args, **kwargs)
         flat, spec = pytree.tree_flatten((args, kwargs))
         hooks_added = self.modules.hooks_changed()
-        signature = _signature(spec, flat, self.modules.modes(model, hooks_added))
+        signature = call_signature(spec, flat, self.modules.modes(model, hooks_added))
         key = (signature, None if config is self.config else repr(config))
         entry = self.entries.get(key)
         if entry is not None and hooks_added and any(has_call_hooks(m) for m in entry.inlined):
             entry = None  # hooks came after the trace (fully_shard): trace again, calling it
         if entry is None:
-            entry = self.entries[key] = _build_outside_compile(self, model, args, kwargs, config)
+            entry = _build_outside_compile(self, model, args, kwargs, config)
+            if self._watch(model, entry):  # fewer flags in the key from now on
+                key = (call_signature(spec, flat, self.modules.modes(model)), key[1])
+            self.entries[key] = entry
             while len(self.entries) > _MAX_TRACES:
                 self.entries.popitem(last=False)
         self.entries.move_to_end(key)
@@ -168,7 +171,10 @@ class _RoutingState:
                     "graph cannot trace again by itself: call route(..., compile=False), or "
                     "keep that value fixed across training calls."
                 ) from changed
-            entry = self.entries[key] = self._build(model, args, kwargs, config)
+            entry = self._build(model, args, kwargs, config)
+            if self._watch(model, entry):
+                key = (call_signature(spec, flat, self.modules.modes(model)), key[1])
+            self.entries[key] = entry
             out = self._run(entry, tensors, noises)  # traced again for these inputs
         n = entry.built.num_model_outputs
         self.last_info = [
@@ -184,6 +190,14 @@ class _RoutingState:
             for plan, kept in zip(entry.built.plans, out[n:])
         ]
         return pytree.tree_unflatten(list(out[:n]), entry.built.traced.out_spec)
+
+    def _watch(self, model: nn.Module, entry: _Entry) -> bool:
+        """Key calls on the modes of the modules this trace went through (others are called
+        by the graph and read their own mode); whether the watched set changed."""
+        gm = entry.built.gm
+        called = [n.target for n in gm.graph.nodes if n.op == "call_module"]
+        paths = [c[len(MODEL_PREFIX) :] for c in called if c.startswith(MODEL_PREFIX)]
+        return self.modules.watch(model, traced_through(model, paths))
 
     def _run(self, entry: _Entry, tensors: list, noises: list) -> tuple:
         try:
@@ -233,25 +247,6 @@ def _inlined_modules(model: nn.Module, gm: torch.fx.GraphModule) -> tuple[nn.Mod
 
 class _TracedValueChanged(Exception):
     """A runtime guard of the routed graph failed: re-trace (eager) or refuse (compiled)."""
-
-
-def _hashable(value: Any) -> Any:
-    try:
-        hash(value)
-        return value
-    except TypeError:
-        return ("unhashable", type(value).__qualname__, id(value))
-
-
-def _signature(spec: pytree.TreeSpec, flat: list, modes: tuple[bool, ...]) -> tuple:
-    leaves = tuple(
-        (tuple(v.shape), v.dtype, v.device) if isinstance(v, torch.Tensor) else _hashable(v)
-        for v in flat
-    )
-    autocast = tuple(
-        (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
-    )
-    return spec, leaves, modes, autocast, torch.is_grad_enabled()
 
 
 @torch.compiler.disable(
@@ -415,8 +410,9 @@ def route(
         flat, spec = pytree.tree_flatten((args, kwargs))
         was_training = [m.training for m in model.modules()]
         model.train()
-        signature = _signature(spec, flat, state.modules.modes(model))
-        state.entries[(signature, None)] = state._build(model, args, kwargs)
+        entry = state._build(model, args, kwargs)
+        state._watch(model, entry)
+        state.entries[(call_signature(spec, flat, state.modules.modes(model)), None)] = entry
         for m, mode in zip(model.modules(), was_training):
             m.training = mode
     model.__dict__[_STATE] = state
