@@ -10,6 +10,10 @@
   as plain, marked calls.
 - :class:`DataDependentError` and :func:`user_frame`: what those refusals raise, and where.
 
+Every patch goes through :func:`tread_fx.passes.thread_patch.thread_local_patch`, so only the
+tracing thread sees it (a new tracing patch must use it too); :func:`trace_restoring_state`
+holds ``TRACING_LOCK`` (one trace at a time) and routes fx's own patching the same way.
+
 Example:
     >>> # used by tread_fx.passes.trace.trace_call
 """
@@ -31,6 +35,12 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from tread_fx.errors import UntraceableModelError
+from tread_fx.passes.thread_patch import (
+    TRACING_LOCK,
+    fx_patches_in_this_thread,
+    thread_local_patch,
+    unpatched,
+)
 
 __all__ = [
     "DataDependentError",
@@ -53,6 +63,7 @@ __all__ = [
 _PYTHON_RANDOM = ("random", "uniform", "randint", "randrange", "choice", "sample", "shuffle")
 # tensor methods taking sizes as varargs, called on a real (constant) tensor with traced sizes
 _SIZE_METHODS = ("expand", "view", "reshape", "repeat", "tile", "new_zeros", "new_ones", "new_full")
+_CHECKPOINT_FUNC = "_gradient_checkpointing_func"  # diffusers' per-module checkpoint function
 _FACTORIES = (
     "ones", "zeros", "empty", "full", "rand", "randn", "randint", "arange", "tensor", "as_tensor"
 )  # fmt: skip
@@ -67,40 +78,39 @@ def factories_take_proxies(tracer: Any) -> Iterator[None]:
     factories called by traced code are always graph calls, even with constant sizes, so a
     draw is never baked into the graph as a constant.
     """
-    originals = {name: getattr(torch, name) for name in _FACTORIES}
-    methods = {name: getattr(torch.Tensor, name) for name in _SIZE_METHODS}
-    random = {torch.rand, torch.randn, torch.randint}  # never baked in as constants
+    random_factories = {"rand", "randn", "randint"}  # never baked in as constants
 
-    def wrap(fn):
-        def factory(*args: Any, **kwargs: Any) -> Any:
-            flat = pytree.tree_leaves((args, kwargs))
-            traced = any(isinstance(a, fx.Proxy) for a in flat) or fn in random
-            if tracer.running_eager or not traced:
-                return fn(*args, **kwargs)
-            return tracer.create_proxy("call_function", fn, args, kwargs)
+    def wrap(name: str):
+        def make(fn):
+            def factory(*args: Any, **kwargs: Any) -> Any:
+                flat = pytree.tree_leaves((args, kwargs))
+                traced = any(isinstance(a, fx.Proxy) for a in flat) or name in random_factories
+                if tracer.running_eager or not traced:
+                    return fn(*args, **kwargs)
+                return tracer.create_proxy("call_function", unpatched(torch, name), args, kwargs)
 
-        return factory
+            return factory
 
-    def wrap_method(name: str, fn):
-        def method(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            traced = any(isinstance(a, fx.Proxy) for a in pytree.tree_leaves((args, kwargs)))
-            if tracer.running_eager or not traced:
-                return fn(self, *args, **kwargs)
-            return tracer.create_proxy("call_method", name, (self, *args), kwargs)
+        return make
 
-        return method
+    def wrap_method(name: str):
+        def make(fn):
+            def method(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+                traced = any(isinstance(a, fx.Proxy) for a in pytree.tree_leaves((args, kwargs)))
+                if tracer.running_eager or not traced:
+                    return fn(self, *args, **kwargs)
+                return tracer.create_proxy("call_method", name, (self, *args), kwargs)
 
-    try:
-        for name, fn in originals.items():
-            setattr(torch, name, wrap(fn))
-        for name, fn in methods.items():
-            setattr(torch.Tensor, name, wrap_method(name, fn))
+            return method
+
+        return make
+
+    with contextlib.ExitStack() as patches:
+        for name in _FACTORIES:
+            patches.enter_context(thread_local_patch(torch, name, wrap(name)))
+        for name in _SIZE_METHODS:
+            patches.enter_context(thread_local_patch(torch.Tensor, name, wrap_method(name)))
         yield
-    finally:
-        for name, fn in originals.items():
-            setattr(torch, name, fn)
-        for name, fn in methods.items():
-            setattr(torch.Tensor, name, fn)
 
 
 @contextlib.contextmanager
@@ -111,16 +121,15 @@ def report_grad_mode(tracer: Any, enabled: bool) -> Iterator[None]:
     ``torch.is_grad_enabled() and self.gradient_checkpointing``; the trace must take that
     branch when the training call would. Eager code (leaves, torch internals) sees the truth.
     """
-    original = torch.is_grad_enabled
 
-    def reported() -> bool:
-        return original() if tracer.running_eager else enabled
+    def make(original):
+        def reported() -> bool:
+            return original() if tracer.running_eager else enabled
 
-    torch.is_grad_enabled = reported
-    try:
+        return reported
+
+    with thread_local_patch(torch, "is_grad_enabled", make):
         yield
-    finally:
-        torch.is_grad_enabled = original
 
 
 def name_placeholders(graph: fx.Graph, call: tuple, positions: tuple[int, ...]) -> None:
@@ -163,28 +172,27 @@ def user_frame() -> str:
 @contextlib.contextmanager
 def refuse_python_random(tracer: Any) -> Iterator[None]:
     """Make Python-level random draws made by traced (not eager) code refuse to be baked in."""
-    originals = {name: getattr(random, name) for name in _PYTHON_RANDOM}
 
     def guard(name: str):
-        def draw(*args: Any, **kwargs: Any) -> Any:
-            if not tracer.running_eager:
-                stack = tracer.module_stack
-                raise DataDependentError(
-                    f"Python-level randomness (random.{name})",
-                    stack[-1] if stack else None,
-                    user_frame(),
-                )
-            return originals[name](*args, **kwargs)
+        def make(original):
+            def draw(*args: Any, **kwargs: Any) -> Any:
+                if not tracer.running_eager:
+                    stack = tracer.module_stack
+                    raise DataDependentError(
+                        f"Python-level randomness (random.{name})",
+                        stack[-1] if stack else None,
+                        user_frame(),
+                    )
+                return original(*args, **kwargs)
 
-        return draw
+            return draw
 
-    try:
+        return make
+
+    with contextlib.ExitStack() as patches:
         for name in _PYTHON_RANDOM:
-            setattr(random, name, guard(name))
+            patches.enter_context(thread_local_patch(random, name, guard(name)))
         yield
-    finally:
-        for name, fn in originals.items():
-            setattr(random, name, fn)
 
 
 @contextlib.contextmanager
@@ -198,33 +206,29 @@ def checkpoint_as_plain_call(tracer: Any, model: nn.Module) -> Iterator[None]:
     """
     import torch.utils.checkpoint as ckpt
 
-    original = ckpt.checkpoint
+    original = unpatched(ckpt, "checkpoint")
 
-    def plain(function, *args, use_reentrant=None, **kwargs):
-        for key in ("preserve_rng_state", "determinism_check", "debug", "context_fn"):
-            kwargs.pop(key, None)
-        if tracer.running_eager:
-            return original(function, *args, use_reentrant=use_reentrant, **kwargs)
-        tracer.checkpointed.add(id(getattr(function, "__self__", function)))
-        return function(*args, **kwargs)
+    def make(previous):
+        def plain(function, *args, use_reentrant=None, **kwargs):
+            for key in ("preserve_rng_state", "determinism_check", "debug", "context_fn"):
+                kwargs.pop(key, None)
+            if tracer.running_eager:
+                return original(function, *args, use_reentrant=use_reentrant, **kwargs)
+            tracer.checkpointed.add(id(getattr(function, "__self__", function)))
+            return function(*args, **kwargs)
 
-    owners = [m for m in model.modules() if "_gradient_checkpointing_func" in m.__dict__]
-    saved = [m.__dict__["_gradient_checkpointing_func"] for m in owners]
+        return plain
+
+    owners = [m for m in model.modules() if _CHECKPOINT_FUNC in m.__dict__]
     namespaces = {id(ns): ns for ns in module_namespaces(model)}.values()
     imported = [(ns, k) for ns in namespaces for k, v in list(ns.items()) if v is original]
-    ckpt.checkpoint = plain
-    for m in owners:
-        m.__dict__["_gradient_checkpointing_func"] = plain
-    for ns, key in imported:  # `from torch.utils.checkpoint import checkpoint`
-        ns[key] = plain
-    try:
+    with contextlib.ExitStack() as patches:
+        patches.enter_context(thread_local_patch(ckpt, "checkpoint", make))
+        for m in owners:
+            patches.enter_context(thread_local_patch(m.__dict__, _CHECKPOINT_FUNC, make))
+        for ns, key in imported:  # `from torch.utils.checkpoint import checkpoint`
+            patches.enter_context(thread_local_patch(ns, key, make))
         yield
-    finally:
-        ckpt.checkpoint = original
-        for m, fn in zip(owners, saved):
-            m.__dict__["_gradient_checkpointing_func"] = fn
-        for ns, key in imported:
-            ns[key] = original
 
 
 def python_modules(model: nn.Module) -> list[types.ModuleType]:
@@ -329,19 +333,27 @@ def trace_restoring_state(
     (BatchNorm statistics) as they were; Python ``random`` is refused, factories take
     proxies, checkpointed calls are traced as plain calls."""
     devices = sorted({t.device.index for t in tensors if t.device.type == "cuda"})
-    buffers = _snapshot_buffers(model)
     grad_mode = torch.is_grad_enabled()
-    try:
-        with (
-            torch.random.fork_rng(devices=devices),
-            torch.no_grad(),
-            report_grad_mode(tracer, grad_mode),
-            factories_take_proxies(tracer),
-            refuse_python_random(tracer),
-            checkpoint_as_plain_call(tracer, model),
-        ):
-            return tracer.trace(wrapper)
-    finally:
-        with torch.no_grad():
-            for live, saved in buffers:
-                live.copy_(saved)
+    with TRACING_LOCK:  # one trace at a time; what it patches only this thread sees
+        buffers = _snapshot_buffers(model)
+        try:
+            return _trace_patched(tracer, wrapper, model, devices, grad_mode)
+        finally:
+            with torch.no_grad():
+                for live, saved in buffers:
+                    live.copy_(saved)
+
+
+def _trace_patched(
+    tracer: fx.Tracer, wrapper: nn.Module, model: nn.Module, devices: list, grad_mode: bool
+) -> fx.Graph:
+    with (
+        torch.random.fork_rng(devices=devices),
+        torch.no_grad(),
+        fx_patches_in_this_thread(),
+        report_grad_mode(tracer, grad_mode),
+        factories_take_proxies(tracer),
+        refuse_python_random(tracer),
+        checkpoint_as_plain_call(tracer, model),
+    ):
+        return tracer.trace(wrapper)

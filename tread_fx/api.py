@@ -16,9 +16,8 @@ Example:
 
 from __future__ import annotations
 
-import copy
+import functools
 import inspect
-import types
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -36,14 +35,16 @@ from tread_fx.errors import (
     RoutedGraphError,
     TreadFxError,
 )
+from tread_fx.module_state import ModuleModes, call_signature, traced_through
 from tread_fx.passes.rewrite import Reinsert
 from tread_fx.passes.trace import MODEL_PREFIX
 from tread_fx.passes.trace_support import has_call_hooks
 from tread_fx.pipeline import Built, build
 from tread_fx.routes import Route
 from tread_fx.runtime.guards import GUARD_MARK
+from tread_fx.runtime.noise import NoiseSource
 from tread_fx.runtime.ops import routed_mask
-from tread_fx.wrappers import check_unwrapped, unwrap
+from tread_fx.wrappers import REPLICATE, check_unwrapped, refuse_replica, unwrap
 
 __all__ = [
     "route",
@@ -112,30 +113,29 @@ class _RoutingState:
         self.compile = compile
         self.routing_probability = routing_probability
         self.forced: RoutingConfig | None = None
+        self.noise = NoiseSource(seed)
+        self._clear_cache()
+
+    def _clear_cache(self) -> None:
         self.entries: OrderedDict[Any, _Entry] = OrderedDict()
-        self.generators: dict[torch.device, torch.Generator] = {}
         self.last_info: list[RouteInfo] | None = None
+        self.modules = ModuleModes()
 
-    def __deepcopy__(self, memo: dict) -> _RoutingState:
-        config = copy.deepcopy(self.config, memo)
-        clone = _RoutingState(config, self.seed, self.compile, self.routing_probability)
-        for device, gen in self.generators.items():
-            clone.generators[device] = torch.Generator(device).set_state(gen.get_state())
-        return clone
+    def __getstate__(self) -> dict[str, Any]:
+        """What pickles (``torch.save(model)``, ``copy.deepcopy``): the routing settings and the
+        selection generators' states; traced graphs are dropped and traced again lazily."""
+        keep = ("config", "seed", "compile", "routing_probability", "forced", "noise")
+        return {k: self.__dict__[k] for k in keep}
 
-    # -- noise ------------------------------------------------------------------------------
-    def _noise(self, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-        if self.seed is None:
-            return torch.rand(shape, device=device)
-        gen = self.generators.get(device)
-        if gen is None:
-            gen = self.generators[device] = torch.Generator(device).manual_seed(self.seed)
-        return torch.rand(shape, device=device, generator=gen)
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._clear_cache()
 
     def _route_this_step(self) -> bool:
         if self.routing_probability >= 1.0:
             return True
-        return float(self._noise((), torch.device("cpu"))) < self.routing_probability
+        drawn = self.noise.draw([()], torch.device("cpu"))[0]
+        return float(drawn) < self.routing_probability
 
     # -- calls ------------------------------------------------------------------------------
     def call(self, model: nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -144,18 +144,23 @@ class _RoutingState:
             self.last_info = None  # an unrouted step
             return type(model).forward(model, *args, **kwargs)
         flat, spec = pytree.tree_flatten((args, kwargs))
-        key = (_signature(model, spec, flat), None if config is self.config else repr(config))
+        hooks_added = self.modules.hooks_changed()
+        signature = call_signature(spec, flat, self.modules.modes(model, hooks_added))
+        key = (signature, None if config is self.config else repr(config))
         entry = self.entries.get(key)
-        if entry is not None and any(has_call_hooks(m) for m in entry.inlined):
+        if entry is not None and hooks_added and any(has_call_hooks(m) for m in entry.inlined):
             entry = None  # hooks came after the trace (fully_shard): trace again, calling it
         if entry is None:
-            entry = self.entries[key] = self._build(model, args, kwargs, config)
+            entry = _build_outside_compile(self, model, args, kwargs, config)
+            if self._watch(model, entry):  # fewer flags in the key from now on
+                key = (call_signature(spec, flat, self.modules.modes(model)), key[1])
+            self.entries[key] = entry
             while len(self.entries) > _MAX_TRACES:
                 self.entries.popitem(last=False)
         self.entries.move_to_end(key)
         tensors = [flat[i] for i in entry.built.traced.tensor_positions]
         device = tensors[0].device if tensors else torch.device("cpu")
-        noises = [self._noise(s, device) for s in entry.noise_shapes]
+        noises = self.noise.draw(entry.noise_shapes, device)
         try:
             out = self._run(entry, tensors, noises)
         except _TracedValueChanged as changed:
@@ -166,7 +171,10 @@ class _RoutingState:
                     "graph cannot trace again by itself: call route(..., compile=False), or "
                     "keep that value fixed across training calls."
                 ) from changed
-            entry = self.entries[key] = self._build(model, args, kwargs, config)
+            entry = self._build(model, args, kwargs, config)
+            if self._watch(model, entry):
+                key = (call_signature(spec, flat, self.modules.modes(model)), key[1])
+            self.entries[key] = entry
             out = self._run(entry, tensors, noises)  # traced again for these inputs
         n = entry.built.num_model_outputs
         self.last_info = [
@@ -182,6 +190,14 @@ class _RoutingState:
             for plan, kept in zip(entry.built.plans, out[n:])
         ]
         return pytree.tree_unflatten(list(out[:n]), entry.built.traced.out_spec)
+
+    def _watch(self, model: nn.Module, entry: _Entry) -> bool:
+        """Key calls on the modes of the modules this trace went through (others are called
+        by the graph and read their own mode); whether the watched set changed."""
+        gm = entry.built.gm
+        called = [n.target for n in gm.graph.nodes if n.op == "call_module"]
+        paths = [c[len(MODEL_PREFIX) :] for c in called if c.startswith(MODEL_PREFIX)]
+        return self.modules.watch(model, traced_through(model, paths))
 
     def _run(self, entry: _Entry, tensors: list, noises: list) -> tuple:
         try:
@@ -233,24 +249,15 @@ class _TracedValueChanged(Exception):
     """A runtime guard of the routed graph failed: re-trace (eager) or refuse (compiled)."""
 
 
-def _hashable(value: Any) -> Any:
-    try:
-        hash(value)
-        return value
-    except TypeError:
-        return ("unhashable", type(value).__qualname__, id(value))
-
-
-def _signature(model: nn.Module, spec: pytree.TreeSpec, flat: list) -> tuple:
-    leaves = tuple(
-        (tuple(v.shape), v.dtype, v.device) if isinstance(v, torch.Tensor) else _hashable(v)
-        for v in flat
-    )
-    modes = tuple(m.training for m in model.modules())
-    autocast = tuple(
-        (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
-    )
-    return spec, leaves, modes, autocast, torch.is_grad_enabled()
+@torch.compiler.disable(
+    reason="tread_fx traces the model for a call signature it has not seen; under "
+    "torch.compile(fullgraph=True) run one training call before compiling (or pass "
+    "route(..., example_inputs=...)) for every input signature, e.g. a smaller last batch"
+)
+def _build_outside_compile(
+    state: _RoutingState, model: nn.Module, args: tuple, kwargs: dict, config: RoutingConfig
+) -> _Entry:
+    return state._build(model, args, kwargs, config)
 
 
 def _routed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -258,6 +265,28 @@ def _routed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if not self.training and state.forced is None:
         return type(self).forward(self, *args, **kwargs)
     return state.call(self, args, kwargs)
+
+
+class RoutedForward:
+    """``model.forward`` of a routed model: a bound method that pickles with its model.
+
+    Attributes:
+        __self__: The routed model.
+        __func__: The routed forward function (``__func__(model, *args)``), as on a bound method.
+    """
+
+    __slots__ = ("__self__",)
+    __func__ = staticmethod(_routed_forward)
+    __name__ = "forward"
+
+    def __init__(self, model: nn.Module) -> None:
+        self.__self__ = model
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return _routed_forward(self.__self__, *args, **kwargs)
+
+    def __reduce__(self) -> tuple:
+        return (RoutedForward, (self.__self__,))
 
 
 def check_call(model: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -381,11 +410,14 @@ def route(
         flat, spec = pytree.tree_flatten((args, kwargs))
         was_training = [m.training for m in model.modules()]
         model.train()
-        state.entries[_signature(model, spec, flat)] = state._build(model, args, kwargs)
+        entry = state._build(model, args, kwargs)
+        state._watch(model, entry)
+        state.entries[(call_signature(spec, flat, state.modules.modes(model)), None)] = entry
         for m, mode in zip(model.modules(), was_training):
             m.training = mode
     model.__dict__[_STATE] = state
-    model.__dict__["forward"] = types.MethodType(_routed_forward, model)
+    model.__dict__["forward"] = RoutedForward(model)
+    model.__dict__[REPLICATE] = functools.partial(refuse_replica, model)
     return model
 
 
@@ -436,6 +468,7 @@ def unroute(model: nn.Module) -> nn.Module:
     inner = unwrap(model)
     del inner.__dict__[_STATE]
     inner.__dict__.pop("forward", None)
+    inner.__dict__.pop(REPLICATE, None)
     return model
 
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from tread_fx.errors import WrappedModelError
 
-__all__ = ["unwrap", "check_unwrapped"]
+__all__ = ["unwrap", "check_unwrapped", "refuse_replica", "REPLICATE"]
 
 _WRAPPER_ATTRIBUTES = {
     "DistributedDataParallel": "module",
@@ -98,3 +98,24 @@ def _fully_sharded(model: nn.Module) -> str | None:
         if isinstance(module, fsdp_module):
             return path
     return None
+
+
+REPLICATE = "_replicate_for_data_parallel"  # what DataParallel calls on every module it copies
+
+
+def refuse_replica(model: nn.Module) -> None:
+    """Refuse ``DataParallel`` replication of a routed model (stored as ``model.REPLICATE``).
+
+    ``DataParallel`` over several GPUs copies the model onto every device on every call; the
+    routed graphs and the selection state belong to the one model and would run the copies on
+    its device. One device (or none) calls the model itself and routes normally.
+
+    Raises:
+        WrappedModelError: naming what to use instead.
+    """
+    raise WrappedModelError(
+        f"DataParallel tried to replicate a routed {type(model).__name__} onto several GPUs; "
+        "a routed model's traced graphs belong to the one model, so its copies cannot route. "
+        "Use DistributedDataParallel (route, then wrap: one process per GPU), or DataParallel "
+        "with a single device."
+    )

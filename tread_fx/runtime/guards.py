@@ -5,8 +5,14 @@ When the model's own forward turns tensor *data* into Python (``if mask.any():``
 inserts :func:`check_traced_value` into the routed graph: every call recomputes the value
 from its inputs and checks it against the traced one. A mismatch raises a ``RuntimeError``
 carrying :data:`GUARD_MARK` and the file and line; ``route()`` then traces again for those
-inputs (eager) or raises a clear error (compiled). The check is one ``torch._assert_async``,
-so ``torch.compile(fullgraph=True)`` compiles it without a graph break.
+inputs (eager) or raises a clear error (compiled).
+
+The check never asserts on the device (a failed CUDA device assert poisons the context, and
+the re-trace could not run): it is the custom op ``tread_fx::check_guard``, which reads the
+comparison on the host and raises there. On CPU that read is free; on CUDA it is one
+device-to-host copy of a bool, a synchronisation, per guard per routed call (only models whose
+own forward reads tensor data have guards). The op is opaque to ``torch.compile``, so
+``fullgraph=True`` compiles around it without a graph break.
 
 Example:
     >>> import torch
@@ -50,4 +56,19 @@ def check_traced_value(value: Any, expected: Any, kind: str, where: str) -> None
         same = value.trunc() == target if value.is_floating_point() else value == target
     else:
         same = value == target.to(value.dtype)
-    torch._assert_async(same.all(), message)
+    torch.ops.tread_fx.check_guard(same.all(), message)
+
+
+@torch.library.custom_op("tread_fx::check_guard", mutates_args=())
+def _check_guard(same: torch.Tensor, message: str) -> None:
+    if not bool(same):  # host-side: on CUDA a sync, never a device assert
+        raise RuntimeError(message)
+
+
+@_check_guard.register_fake
+def _(same: torch.Tensor, message: str) -> None:
+    return None
+
+
+# no output: marked side-effectful so that graph compilers (dead-code elimination) keep it
+torch.fx.node.has_side_effect(torch.ops.tread_fx.check_guard.default)

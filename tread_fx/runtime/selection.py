@@ -54,6 +54,11 @@ class Strategy:
     units: Callable[[int, tuple[int, int] | None], int]
     select: Callable[..., torch.Tensor]
 
+    def __reduce__(self) -> tuple:
+        """Pickle by registered name (a routed model pickles; a loading process must have
+        registered the same strategies, which the built-in ones are)."""
+        return (get_strategy, (self.name,))
+
 
 _STRATEGIES: dict[str, Strategy] = {}
 

@@ -1,0 +1,218 @@
+"""Patches that only the tracing thread sees.
+
+The tracer has to replace process-wide names while it runs (``torch.ones``, ``random.random``,
+``torch.is_grad_enabled``, ``nn.Module.__call__`` ...). :func:`thread_local_patch` is the one way
+it does so: the name gets a *dispatcher* (installed once, reference-counted, removed when the
+last patch of that name ends) that calls the replacement only in a thread that entered the
+patch, and the original everywhere else. A data-loading or logging thread calling
+``random.random()`` during a first routed call sees the real ``random.random``.
+
+:func:`fx_patches_in_this_thread` sends torch.fx's own patching (``nn.Module.__call__`` and
+``__getattr__``, wrapped and autowrapped functions) through the same mechanism, and
+:data:`TRACING_LOCK` lets one thread trace at a time (fx's tracer is not written for two
+concurrent traces); routed calls that do not trace never take it.
+
+Example:
+    >>> import math
+    >>> with thread_local_patch(math, "floor", lambda previous: lambda x: previous(x) + 100):
+    ...     math.floor(1.5)
+    101
+    >>> math.floor(1.5)
+    1
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch.fx._symbolic_trace as fx_trace
+
+__all__ = [
+    "thread_local_patch",
+    "fx_patches_in_this_thread",
+    "TRACING_LOCK",
+    "is_dispatcher",
+    "unpatched",
+]
+
+TRACING_LOCK = threading.RLock()
+_MISSING = object()
+_REGISTRY_LOCK = threading.Lock()
+_LOCAL = threading.local()
+# (id(target), name) -> [target, name, original, dispatcher, refcount, had_own_entry]
+_INSTALLED: dict[tuple[int, str], list] = {}
+
+
+def _stacks() -> dict[tuple[int, str], list[Callable]]:
+    stacks = getattr(_LOCAL, "stacks", None)
+    if stacks is None:
+        stacks = _LOCAL.stacks = {}
+    return stacks
+
+
+def _read(target: Any, name: str) -> Any:
+    if isinstance(target, dict):
+        return target.get(name, _MISSING)
+    return getattr(target, name, _MISSING)
+
+
+def _own_entry(target: Any, name: str) -> bool:
+    return name in target if isinstance(target, dict) else name in vars(target)
+
+
+def _write(target: Any, name: str, value: Any) -> None:
+    if isinstance(target, dict):
+        if value is _MISSING:
+            target.pop(name, None)
+        else:
+            target[name] = value
+    elif value is _MISSING:
+        delattr(target, name)
+    else:
+        setattr(target, name, value)
+
+
+def _make_dispatcher(key: tuple[int, str], original: Callable) -> Callable:
+    def dispatch(*args: Any, **kwargs: Any) -> Any:
+        stack = getattr(_LOCAL, "stacks", {}).get(key)
+        if stack:
+            return stack[-1](*args, **kwargs)
+        return original(*args, **kwargs)
+
+    dispatch.__tread_dispatch__ = key  # type: ignore[attr-defined]
+    dispatch.__wrapped__ = original  # type: ignore[attr-defined]
+    return dispatch
+
+
+def unpatched(target: Any, name: str) -> Any:
+    """``target.name`` as it is without any :func:`thread_local_patch` (for graph targets)."""
+    value = _read(target, name)
+    return value.__wrapped__ if is_dispatcher(value) else value
+
+
+def is_dispatcher(value: Any) -> bool:
+    """Whether ``value`` is a dispatcher :func:`thread_local_patch` installed."""
+    return hasattr(value, "__tread_dispatch__")
+
+
+def _install(target: Any, name: str) -> tuple[tuple[int, str], Callable]:
+    """Install (or reuse) the dispatcher of ``target.name``; return its key and the original."""
+    key = (id(target), name)
+    with _REGISTRY_LOCK:
+        record = _INSTALLED.get(key)
+        if record is None:
+            own = _own_entry(target, name)
+            original = _read(target, name)
+            if original is _MISSING and isinstance(target, dict):
+                import builtins  # fx patches a builtin (``len``) into a module's globals
+
+                original = getattr(builtins, name)
+            record = [target, name, original, _make_dispatcher(key, original), 0, own]
+            _INSTALLED[key] = record
+            _write(target, name, record[3])
+        record[4] += 1
+        return key, record[2]
+
+
+def _uninstall(key: tuple[int, str]) -> None:
+    with _REGISTRY_LOCK:
+        record = _INSTALLED[key]
+        record[4] -= 1
+        if record[4] == 0:
+            target, name, original, _, _, own = record
+            del _INSTALLED[key]
+            _write(target, name, original if own else _MISSING)
+
+
+@contextlib.contextmanager
+def thread_local_patch(
+    target: Any, name: str, make: Callable[[Callable], Callable]
+) -> Iterator[Callable]:
+    """Replace ``target.name`` (or ``target[name]`` for a dict) for the calling thread only.
+
+    Args:
+        target: A module, class, object or namespace dict.
+        name: The attribute (or key) to replace.
+        make: Builds the replacement from ``previous``, what this thread would call without
+            this patch (the original, or an outer patch of the same name in this thread).
+
+    Yields:
+        The replacement.
+
+    Example:
+        >>> import random, threading
+        >>> seen = []
+        >>> with thread_local_patch(random, "random", lambda previous: lambda: 0.5):
+        ...     t = threading.Thread(target=lambda: seen.append(random.random() != 0.5))
+        ...     t.start(); t.join()
+        ...     random.random(), seen
+        (0.5, [True])
+    """
+    key, original = _install(target, name)
+    stack = _stacks().setdefault(key, [])
+    replacement = make(stack[-1] if stack else original)
+    stack.append(replacement)
+    try:
+        yield replacement
+    finally:
+        stack.remove(replacement)
+        if not stack:
+            _stacks().pop(key, None)
+        _uninstall(key)
+
+
+class _ThreadPatcher(fx_trace._Patcher):
+    """fx's patcher, patching through :func:`thread_local_patch` instead of ``setattr``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._exits = contextlib.ExitStack()
+
+    def _push(self, target: Any, name: str, new_fn: Callable, deduplicate: bool) -> None:
+        new_fn.__fx_already_patched = deduplicate  # type: ignore[attr-defined]
+        current = _read(target, name)
+        if is_dispatcher(current):
+            stack = _stacks().get(current.__tread_dispatch__)
+            current = stack[-1] if stack else current
+        if deduplicate and getattr(current, "__fx_already_patched", False):
+            return  # an outer trace in this thread wrapped it (fx's wrappers serve any tracer)
+        if deduplicate and is_dispatcher(current):
+            return  # wrapped for this thread's outer trace already
+        self._exits.enter_context(thread_local_patch(target, name, lambda previous: new_fn))
+
+    def patch(self, frame_dict, name, new_fn, deduplicate=True) -> None:  # noqa: D102
+        self._push(frame_dict, name, new_fn, deduplicate)
+
+    def patch_method(self, cls, name, new_fn, deduplicate=True) -> None:  # noqa: D102
+        self._push(cls, name, new_fn, deduplicate)
+
+    def revert_all_patches(self) -> list:  # noqa: D102 - only fx's CURRENT_PATCHER uses these
+        return []
+
+    def reapply_all_patches(self) -> list:  # noqa: D102
+        return []
+
+    def __exit__(self, *exc: Any) -> None:
+        self._exits.close()
+        self.visited.clear()
+
+
+@contextlib.contextmanager
+def _new_thread_patcher() -> Iterator[_ThreadPatcher]:
+    with _ThreadPatcher() as patcher:
+        yield patcher
+
+
+@contextlib.contextmanager
+def fx_patches_in_this_thread() -> Iterator[None]:
+    """Make ``fx.Tracer.trace`` in this thread patch only for this thread.
+
+    fx's ``_new_patcher`` is replaced (thread-locally) by one whose patches are
+    :func:`thread_local_patch` es, so another thread calling any ``nn.Module`` during the trace
+    runs the real ``Module.__call__``.
+    """
+    with thread_local_patch(fx_trace, "_new_patcher", lambda previous: _new_thread_patcher):
+        yield
