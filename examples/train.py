@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import checkpoint as ckpt  # noqa: E402
 import data as data_lib  # noqa: E402
 import diffusion  # noqa: E402
+import run_dir  # noqa: E402
 import train_utils as tu  # noqa: E402
 from train_args import (  # noqa: E402, F401 - re-exported: tests and users call train.X
     FAMILIES,
@@ -257,6 +258,8 @@ def prepare_output(run: Run) -> None:
     """Writes ``args.json``, opens the metrics logger and the data shards, prints the setup."""
     args = run.args
     if run.main_rank:
+        if args.overwrite and (removed := run_dir.clear_run(run.out)):
+            run.say(f"--overwrite: removed the previous run's {', '.join(p.name for p in removed)}")
         run.out.mkdir(parents=True, exist_ok=True)
         (run.out / "args.json").write_text(json.dumps(vars(args), indent=1))
     run.logger = tu.Logger(run.out, run.main_rank)
@@ -441,6 +444,7 @@ def train(args: argparse.Namespace) -> dict:
         >>> summary["step"]  # doctest: +SKIP
         2
     """
+    run_dir.claim_run_dir(args)  # every process, before any of them writes
     run = setup(args)
     if args.resume:
         resume(run)
