@@ -17,6 +17,8 @@ Example:
 from __future__ import annotations
 
 __all__ = [
+    "FIRST_LINE",
+    "short_first_line",
     "TreadFxError",
     "InvalidRouteError",
     "InvalidRateError",
@@ -38,8 +40,47 @@ __all__ = [
 ]
 
 
+FIRST_LINE = 150  # characters: what a traceback's last line shows before the details
+
+
+def short_first_line(message: str, limit: int = FIRST_LINE) -> str:
+    """Breaks ``message`` after a clause so that its first line has at most ``limit`` chars.
+
+    The break goes after the last sentence or clause end (``. ``, ``; ``, ``: ``, then
+    ``, ``, then a space) that keeps the first line short; the rest follows on the next
+    line, unchanged. Messages whose first line is short already are returned as they are.
+
+    Example:
+        >>> text = "blocks 2..9 cannot be routed: " + "x " * 80
+        >>> short_first_line(text).splitlines()[0]
+        'blocks 2..9 cannot be routed:'
+    """
+    first, newline, rest = message.partition("\n")
+    if len(first) <= limit:
+        return message
+    head = first[: limit + 1]
+    for marks in ((". ", "; ", ": "), (", ",), (" ",)):
+        cut = max(head.rfind(mark) for mark in marks)
+        if cut >= 20:
+            break
+    else:
+        cut = limit - 1
+    cut += 1  # keep the mark on the first line, drop the space
+    details = first[cut:].lstrip()
+    return f"{first[:cut].rstrip()}\n{details}{newline}{rest}"
+
+
 class TreadFxError(Exception):
-    """Base class of every error tread_fx raises on purpose."""
+    """Base class of every error tread_fx raises on purpose.
+
+    Its first line is at most :data:`FIRST_LINE` characters (what was asked and found); the
+    details (what to do) follow on the next lines.
+    """
+
+    def __init__(self, *args: object) -> None:
+        if len(args) == 1 and isinstance(args[0], str):
+            args = (short_first_line(args[0]),)
+        super().__init__(*args)
 
 
 class InvalidRouteError(TreadFxError, ValueError):
