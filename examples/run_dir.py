@@ -32,7 +32,14 @@ from train_args import UsageError  # noqa: E402
 __all__ = ["RUN_FILES", "MARKERS", "claim_run_dir", "clear_run"]
 
 MARKERS = ("args.json", "metrics.jsonl", "checkpoints")
-RUN_FILES = (*MARKERS, "metrics.csv", "samples.png", "samples_*.png", "transformer", "fid_curve.jsonl")
+RUN_FILES = (
+    *MARKERS,
+    "metrics.csv",
+    "samples.png",
+    "samples_*.png",
+    "transformer",
+    "fid_curve.jsonl",
+)
 
 
 def _previous_run(out: Path) -> list[str]:

@@ -144,3 +144,40 @@ def test_resized_nodes_are_not_marked_as_unchanged_in_the_text_diff() -> None:
     resized = [line for line in lines if line.split()[1:2] == ["model_blocks_2"]]
     assert resized and all(line.lstrip().startswith("* ") for line in resized), lines
     assert not any(line.lstrip().startswith("= ") for line in lines)
+
+
+def test_a_model_defined_without_a_file_routes() -> None:
+    """Classes defined in a notebook, a REPL or ``python -c`` live in a module with no file."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        """
+        import torch, tread_fx
+        from torch import nn
+
+        class Block(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(8, 8)
+
+            def forward(self, h):
+                return h + self.fc(h)
+
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.blocks = nn.ModuleList(Block() for _ in range(4))
+
+            def forward(self, x):
+                for block in self.blocks:
+                    x = block(x)
+                return x
+
+        tread_fx.route(Net(), [(1, 3)], example_inputs=(torch.randn(2, 16, 8),))
+        print("routed")
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.stdout.strip() == "routed", done.stderr[-2000:]
