@@ -273,7 +273,7 @@ def prepare_output(run: Run) -> None:
     run.say(
         f"{args.model}: {num_blocks(run.core)} blocks, {n_params / 1e6:.2f}M params, routes "
         f"{routes or 'none'} rate {args.rate if routes else 0}; data {args.data} "
-        f"{tuple(train_x.shape)}; {run.world} process(es) on {run.device}, "
+        f"{tuple(train_x.shape)}; {tu.processes(run.world)} on {run.device}, "
         f"{torch.get_num_threads()} thread(s)"
     )
 

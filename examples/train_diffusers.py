@@ -363,7 +363,7 @@ def prepare_output(run: Run) -> None:
         f"{_class_name(run.core)} ({run.adapter.family} inputs): "
         f"{n_params / 1e6:.2f}M params, routes {run.routes or 'none'} rate "
         f"{args.rate if run.routes else 0}; data {args.data} {tuple(run.data['train_x'].shape)}; "
-        f"text {run.adapter.cond.source}; {acc.num_processes} process(es) ({kind}) on "
+        f"text {run.adapter.cond.source}; {tu.processes(acc.num_processes, kind)} on "
         f"{acc.device}, mixed precision {acc.mixed_precision}, {torch.get_num_threads()} thread(s)"
     )
 

@@ -115,3 +115,9 @@ def test_compare_refuses_a_previous_comparison(tmp_path):
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 1 and "holds a previous comparison" in done.stderr, done.stderr
     assert "--overwrite" in done.stderr and not (tmp_path / "seed0").exists()
+
+
+def test_the_setup_line_names_processes_without_accelerate_internals():
+    tu = importlib.import_module("train_utils")
+    assert tu.processes(1, "NO") == "1 process"  # was "1 process(es) (NO)"
+    assert tu.processes(2, "MULTI_CPU") == "2 processes (MULTI_CPU)"
