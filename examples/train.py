@@ -1,12 +1,13 @@
 """Train a class-conditional diffusion model with TREAD token routing (``tread_fx.route``).
 
 A small, complete training script to copy and adapt. The defaults train an 8-block DiT on
-scikit-learn's 8x8 digits in a minute or two on a laptop CPU, with route ``(2, 4)`` at rate 0.5::
+scikit-learn's 8x8 digits in a few minutes on a laptop CPU, with route ``(2, 4)`` at rate 0.5::
 
     python examples/train.py                                  # digits, DiT, routed, RF
     python examples/train.py --routes none --out runs/base    # the unrouted baseline
     python examples/train.py --data fashion-mnist --model DiT_S_2 --depth 8 --bf16 --steps 5000
-    python examples/train.py --resume runs/base --steps 2000  # continue a run exactly
+    python examples/train.py --resume --out runs/base --steps 2000  # continue a run exactly
+    python examples/train.py --overwrite --steps 100          # replace the run in runs/train
     torchrun --nproc_per_node=2 examples/train.py --steps 200 # DDP (gloo on CPU, nccl on CUDA)
 
 Order of wrappers: the model is routed first (in place), the EMA copy is a ``copy.deepcopy`` of
@@ -16,7 +17,8 @@ unrouted ``model.state_dict()`` (safetensors) and load into any copy of the arch
 
 Outputs in ``--out``: ``metrics.jsonl`` (and ``metrics.csv``) with step, training wall-clock
 seconds (evaluation excluded), train loss, val loss and steps/s; ``samples.png``;
-``checkpoints/step_*/``. Errors in arguments or data stop the run with one line and exit code 2;
+``checkpoints/step_*/``. A folder holding a previous run is refused unless ``--resume`` or
+``--overwrite`` says what to do with it (``run_dir.py``). Errors in arguments or data stop the run with one line and exit code 2;
 a non-finite loss stops it (exit code 1) naming the step.
 """
 
