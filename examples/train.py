@@ -18,8 +18,8 @@ unrouted ``model.state_dict()`` (safetensors) and load into any copy of the arch
 Outputs in ``--out``: ``metrics.jsonl`` (and ``metrics.csv``) with step, training wall-clock
 seconds (evaluation excluded), train loss, val loss and steps/s; ``samples.png``;
 ``checkpoints/step_*/``. A folder holding a previous run is refused unless ``--resume`` or
-``--overwrite`` says what to do with it (``run_dir.py``). Errors in arguments or data stop the run with one line and exit code 2;
-a non-finite loss stops it (exit code 1) naming the step.
+``--overwrite`` says what to do with it (``run_dir.py``). Errors in arguments or data stop the
+run with one line and exit code 2; a non-finite loss stops it (exit code 1) naming the step.
 """
 
 from __future__ import annotations
@@ -124,6 +124,7 @@ def setup_device(args: argparse.Namespace) -> tuple[int, int, bool, torch.device
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     check_args(args, world)
+    run_dir.claim_run_dir(args)  # every process, before the group starts (rank 0 writes later)
     if args.threads or (os.cpu_count() or 1) <= 2:
         # Two threads on two cores collapse (10x and worse) as soon as anything else runs.
         torch.set_num_threads(args.threads or 1)
@@ -446,7 +447,6 @@ def train(args: argparse.Namespace) -> dict:
         >>> summary["step"]  # doctest: +SKIP
         2
     """
-    run_dir.claim_run_dir(args)  # every process, before any of them writes
     run = setup(args)
     if args.resume:
         resume(run)

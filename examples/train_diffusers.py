@@ -186,6 +186,7 @@ def setup(args: argparse.Namespace) -> Run:
 
     acc = make_accelerator(args)
     check_args(args, acc.num_processes)
+    run_dir.claim_run_dir(args)  # every process; prepare() syncs them before rank 0 writes
     fsdp = acc.distributed_type == DistributedType.FSDP
     if fsdp and not acc.is_fsdp2:
         raise UsageError("this script shards with FSDP2: set fsdp_version: 2 in the config")
@@ -410,7 +411,6 @@ def save_model(run: Run) -> Path:
 
 def train(args: argparse.Namespace) -> dict:
     """Runs training as configured by ``args``; returns a summary dictionary."""
-    run_dir.claim_run_dir(args)  # every process, before any of them writes
     run = setup(args)
     if args.resume:
         resume(run)
