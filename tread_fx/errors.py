@@ -47,8 +47,8 @@ def short_first_line(message: str, limit: int = FIRST_LINE) -> str:
     """Breaks ``message`` after a clause so that its first line has at most ``limit`` chars.
 
     The break goes after the last sentence or clause end (``. ``, ``; ``, ``: ``, then
-    ``, ``, then a space) that keeps the first line short; the rest follows on the next
-    line, unchanged. Messages whose first line is short already are returned as they are.
+    ``, ``, then a space) outside brackets that keeps the first line short; the rest follows
+    on the next line, unchanged. A message whose first line is short is returned as it is.
 
     Example:
         >>> text = "blocks 2..9 cannot be routed: " + "x " * 80
@@ -58,16 +58,28 @@ def short_first_line(message: str, limit: int = FIRST_LINE) -> str:
     first, newline, rest = message.partition("\n")
     if len(first) <= limit:
         return message
-    head = first[: limit + 1]
+    outside, depth = [], 0  # positions outside brackets: a break never splits a shape or list
+    for char in first[: limit + 1]:
+        depth += (char in "([{") - (char in ")]}")
+        outside.append(depth <= 0)
     for marks in ((". ", "; ", ": "), (", ",), (" ",)):
-        cut = max(head.rfind(mark) for mark in marks)
-        if cut >= 20:
+        cuts = [i for m in marks for i in _find_all(first[: limit + 1], m) if outside[i]]
+        if cuts and max(cuts) >= 20:
+            cut = max(cuts)
             break
     else:
         cut = limit - 1
     cut += 1  # keep the mark on the first line, drop the space
     details = first[cut:].lstrip()
     return f"{first[:cut].rstrip()}\n{details}{newline}{rest}"
+
+
+def _find_all(text: str, mark: str) -> list[int]:
+    found, start = [], text.find(mark)
+    while start >= 0:
+        found.append(start)
+        start = text.find(mark, start + 1)
+    return found
 
 
 class TreadFxError(Exception):
