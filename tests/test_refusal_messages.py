@@ -114,3 +114,10 @@ def test_short_first_line_keeps_every_word() -> None:
     assert len(short.splitlines()[0]) <= FIRST_LINE
     assert short.replace("\n", " ") == text
     assert short_first_line("short; fine") == "short; fine"
+
+
+def test_a_closing_parenthetical_goes_below_the_problem() -> None:
+    path = "runs/" + "x" * 60 + "/step_0000001/model.safetensors"
+    text = f"{path}: does not match the model (size mismatch for 0.weight: " + "y " * 50 + ")"
+    first, second = short_first_line(text).splitlines()
+    assert first == f"{path}: does not match the model" and second.startswith("(size mismatch")

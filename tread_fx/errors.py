@@ -46,7 +46,8 @@ FIRST_LINE = 150  # characters: what a traceback's last line shows before the de
 def short_first_line(message: str, limit: int = FIRST_LINE) -> str:
     """Breaks ``message`` after a clause so that its first line has at most ``limit`` chars.
 
-    The break goes after the last sentence or clause end (``. ``, ``; ``, ``: ``, then
+    A closing parenthetical (``path: problem (the library's own message)``) goes below;
+    otherwise the break goes after the last sentence or clause end (``. ``, ``; ``, ``: ``, then
     ``, ``, then a space) outside brackets that keeps the first line short; the rest follows
     on the next line, unchanged. A message whose first line is short is returned as it is.
 
@@ -62,6 +63,9 @@ def short_first_line(message: str, limit: int = FIRST_LINE) -> str:
     for char in first[: limit + 1]:
         depth += (char in "([{") - (char in ")]}")
         outside.append(depth <= 0)
+    trailing = _trailing_parenthesis(first)
+    if 20 <= trailing <= limit:  # "path: problem (detail ...)": the detail goes below
+        return f"{first[:trailing].rstrip()}\n{first[trailing:]}{newline}{rest}"
     for marks in ((". ", "; ", ": "), (", ",), (" ",)):
         cuts = [i for m in marks for i in _find_all(first[: limit + 1], m) if outside[i]]
         if cuts and max(cuts) >= 20:
@@ -72,6 +76,19 @@ def short_first_line(message: str, limit: int = FIRST_LINE) -> str:
     cut += 1  # keep the mark on the first line, drop the space
     details = first[cut:].lstrip()
     return f"{first[:cut].rstrip()}\n{details}{newline}{rest}"
+
+
+def _trailing_parenthesis(text: str) -> int:
+    """Where the parenthesis that closes ``text`` opens (-1 when ``text`` does not end in one)."""
+    body = text.rstrip(".")
+    if not body.endswith(")"):
+        return -1
+    depth = 0
+    for i in range(len(body) - 1, -1, -1):
+        depth += (body[i] == ")") - (body[i] == "(")
+        if depth == 0:
+            return i if body[i - 1 : i] == " " else -1
+    return -1
 
 
 def _find_all(text: str, mark: str) -> list[int]:
