@@ -476,7 +476,8 @@ def run_cli(train_fn: Callable[[argparse.Namespace], dict], args, name: str) -> 
     try:
         train_fn(args)
     except (UsageError, data_lib.DataError, TreadFxError) as err:
-        print(f"{name}: error: {err}", file=sys.stderr)
+        # one line, as the scripts promise: TreadFxError breaks long messages after a clause
+        print(f"{name}: error: {' '.join(str(err).splitlines())}", file=sys.stderr)
         return 2
     except TrainingError as err:
         print(f"{name}: error: {err}", file=sys.stderr)
