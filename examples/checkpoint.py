@@ -31,6 +31,7 @@ __all__ = [
     "FORMAT_VERSION",
     "find_checkpoint",
     "load_checkpoint",
+    "prune_checkpoints",
     "read_meta",
     "read_tensors",
     "save_checkpoint",
@@ -115,10 +116,48 @@ def save_checkpoint(
     tmp.rename(final)
     (root / "latest.tmp").write_text(final.name)
     (root / "latest.tmp").replace(root / "latest")
-    if keep > 0:
-        for old in sorted(root.glob("step_*"))[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+    prune_checkpoints(root, keep, final)
     return final
+
+
+def _step_of(path: Path) -> int:
+    try:
+        return int(path.name.removeprefix("step_"))
+    except ValueError:
+        return -1
+
+
+def prune_checkpoints(root: str | Path, keep: int, current: Path) -> list[Path]:
+    """Deletes all but the ``keep`` highest-numbered ``step_*`` folders, never ``current``.
+
+    By step number, not by name (``step_60`` and ``step_0000500`` sort the wrong way as
+    strings), and the checkpoint just written (the one ``latest`` names) is always kept.
+
+    Args:
+        root: The checkpoints directory.
+        keep: How many to keep (0 keeps all); ``current`` counts as one of them.
+        current: The checkpoint just written.
+
+    Returns:
+        The deleted folders.
+
+    Example:
+        >>> import tempfile
+        >>> root = Path(tempfile.mkdtemp())
+        >>> for step in (500, 600, 60):
+        ...     (root / f"step_{step:07d}").mkdir()
+        >>> [p.name for p in prune_checkpoints(root, 2, root / "step_0000060")]
+        ['step_0000500']
+    """
+    if keep <= 0:
+        return []
+    current = Path(current)
+    others = [p for p in Path(root).glob("step_*") if p.is_dir() and p.name != current.name]
+    others.sort(key=_step_of, reverse=True)
+    removed = others[keep - 1 :]
+    for old in removed:
+        shutil.rmtree(old, ignore_errors=True)
+    return removed
 
 
 def find_checkpoint(path: str | Path) -> Path:

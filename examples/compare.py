@@ -108,6 +108,17 @@ def _saved_argv(out: Path) -> list[str]:
     return json.loads(path.read_text())["argv"] if path.exists() else []
 
 
+def _claim(out: Path, overwrite: bool) -> None:
+    """Refuses an ``--out`` holding a previous comparison unless ``--overwrite`` is given."""
+    found = sorted(p.name for p in [out / "command.json", *out.glob("seed*")] if p.exists())
+    if found and not overwrite:
+        raise SystemExit(
+            f"compare.py: error: --out {out} holds a previous comparison ({', '.join(found)}); "
+            "add --overwrite to replace it, --report-only to rebuild its report, or pick "
+            "another --out"
+        )
+
+
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     split = argv.index("--") if "--" in argv else len(argv)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -129,6 +140,11 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     )
     parser.add_argument("--curve-sample-steps", type=int, help="sampler steps for --curve-fid")
     parser.add_argument("--report-only", action="store_true")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a previous comparison in --out (its runs' checkpoints, metrics, samples)",
+    )
     return parser.parse_args(argv[:split]), argv[split + 1 :]
 
 
@@ -146,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
         if curve[0]:  # evaluate checkpoints not evaluated yet, then report
             curve_fids(args.out, args.seeds, *curve)
     else:
+        _claim(args.out, args.overwrite)
+        if args.overwrite:
+            train_args = [*train_args, "--overwrite"]
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "command.json").write_text(json.dumps({"argv": command}))
         for seed in args.seeds:

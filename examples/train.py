@@ -1,12 +1,13 @@
 """Train a class-conditional diffusion model with TREAD token routing (``tread_fx.route``).
 
 A small, complete training script to copy and adapt. The defaults train an 8-block DiT on
-scikit-learn's 8x8 digits in a minute or two on a laptop CPU, with route ``(2, 4)`` at rate 0.5::
+scikit-learn's 8x8 digits in a few minutes on a laptop CPU, with route ``(2, 4)`` at rate 0.5::
 
     python examples/train.py                                  # digits, DiT, routed, RF
     python examples/train.py --routes none --out runs/base    # the unrouted baseline
     python examples/train.py --data fashion-mnist --model DiT_S_2 --depth 8 --bf16 --steps 5000
-    python examples/train.py --resume runs/base --steps 2000  # continue a run exactly
+    python examples/train.py --resume --out runs/base --steps 2000  # continue a run exactly
+    python examples/train.py --overwrite --steps 100          # replace the run in runs/train
     torchrun --nproc_per_node=2 examples/train.py --steps 200 # DDP (gloo on CPU, nccl on CUDA)
 
 Order of wrappers: the model is routed first (in place), the EMA copy is a ``copy.deepcopy`` of
@@ -16,8 +17,9 @@ unrouted ``model.state_dict()`` (safetensors) and load into any copy of the arch
 
 Outputs in ``--out``: ``metrics.jsonl`` (and ``metrics.csv``) with step, training wall-clock
 seconds (evaluation excluded), train loss, val loss and steps/s; ``samples.png``;
-``checkpoints/step_*/``. Errors in arguments or data stop the run with one line and exit code 2;
-a non-finite loss stops it (exit code 1) naming the step.
+``checkpoints/step_*/``. A folder holding a previous run is refused unless ``--resume`` or
+``--overwrite`` says what to do with it (``run_dir.py``). Errors in arguments or data stop the
+run with one line and exit code 2; a non-finite loss stops it (exit code 1) naming the step.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import checkpoint as ckpt  # noqa: E402
 import data as data_lib  # noqa: E402
 import diffusion  # noqa: E402
+import run_dir  # noqa: E402
 import train_utils as tu  # noqa: E402
 from train_args import (  # noqa: E402, F401 - re-exported: tests and users call train.X
     FAMILIES,
@@ -121,6 +124,7 @@ def setup_device(args: argparse.Namespace) -> tuple[int, int, bool, torch.device
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     check_args(args, world)
+    run_dir.claim_run_dir(args)  # every process, before the group starts (rank 0 writes later)
     if args.threads or (os.cpu_count() or 1) <= 2:
         # Two threads on two cores collapse (10x and worse) as soon as anything else runs.
         torch.set_num_threads(args.threads or 1)
@@ -257,6 +261,8 @@ def prepare_output(run: Run) -> None:
     """Writes ``args.json``, opens the metrics logger and the data shards, prints the setup."""
     args = run.args
     if run.main_rank:
+        if args.overwrite and (removed := run_dir.clear_run(run.out)):
+            run.say(f"--overwrite: removed the previous run's {', '.join(p.name for p in removed)}")
         run.out.mkdir(parents=True, exist_ok=True)
         (run.out / "args.json").write_text(json.dumps(vars(args), indent=1))
     run.logger = tu.Logger(run.out, run.main_rank)
@@ -270,7 +276,7 @@ def prepare_output(run: Run) -> None:
     run.say(
         f"{args.model}: {num_blocks(run.core)} blocks, {n_params / 1e6:.2f}M params, routes "
         f"{routes or 'none'} rate {args.rate if routes else 0}; data {args.data} "
-        f"{tuple(train_x.shape)}; {run.world} process(es) on {run.device}, "
+        f"{tuple(train_x.shape)}; {tu.processes(run.world)} on {run.device}, "
         f"{torch.get_num_threads()} thread(s)"
     )
 
@@ -470,7 +476,8 @@ def run_cli(train_fn: Callable[[argparse.Namespace], dict], args, name: str) -> 
     try:
         train_fn(args)
     except (UsageError, data_lib.DataError, TreadFxError) as err:
-        print(f"{name}: error: {err}", file=sys.stderr)
+        # one line, as the scripts promise: TreadFxError breaks long messages after a clause
+        print(f"{name}: error: {' '.join(str(err).splitlines())}", file=sys.stderr)
         return 2
     except TrainingError as err:
         print(f"{name}: error: {err}", file=sys.stderr)

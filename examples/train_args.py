@@ -99,7 +99,11 @@ def add_shared_args(p: argparse.ArgumentParser, **defaults) -> None:
     a("--steps", type=int, default=d["steps"], help="total optimizer steps")
     a("--seed", type=int, default=0)
     a("--threads", type=int, help="torch CPU threads (default: torch's choice; 1 on <= 2 cores)")
-    a("--out", default=d["out"]), a("--resume", help="checkpoint or run directory")
+    a("--out", default=d["out"], help="run folder; one holding a run needs --resume/--overwrite")
+    a("--resume", nargs="?", const=True, metavar="PATH",
+      help="continue a run: a checkpoint or run folder (no PATH: the --out folder)")  # fmt: skip
+    a("--overwrite", action="store_true",
+      help="replace the run in --out (deletes its checkpoints, metrics and samples)")  # fmt: skip
     a("--log-every", type=int, default=d["log_every"])
     a("--eval-every", type=int, default=d["eval_every"])
     a("--save-every", type=int, default=d["save_every"], help="0: only at the end")

@@ -28,7 +28,6 @@ import dataclasses
 import json
 import math
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -42,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import checkpoint as ckpt  # noqa: E402
 import diffusers_adapters as da  # noqa: E402
 import diffusion  # noqa: E402
+import run_dir  # noqa: E402
 import train_utils as tu  # noqa: E402
 from train import TrainingError, load_data, run_cli  # noqa: E402
 from train_args import Parser, UsageError, add_shared_args  # noqa: E402
@@ -186,6 +186,7 @@ def setup(args: argparse.Namespace) -> Run:
 
     acc = make_accelerator(args)
     check_args(args, acc.num_processes)
+    run_dir.claim_run_dir(args)  # every process; prepare() syncs them before rank 0 writes
     fsdp = acc.distributed_type == DistributedType.FSDP
     if fsdp and not acc.is_fsdp2:
         raise UsageError("this script shards with FSDP2: set fsdp_version: 2 in the config")
@@ -216,10 +217,9 @@ def save(run: Run) -> Path:
                 "model_class": _class_name(run.core),
                 "config": _config(run.core), "world_size": run.acc.num_processes}  # fmt: skip
         (path / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
-        (root / "latest").write_text(path.name)
-        if run.args.keep_checkpoints > 0:
-            for old in sorted(root.glob("step_*"))[: -run.args.keep_checkpoints]:
-                shutil.rmtree(old, ignore_errors=True)
+        (root / "latest.tmp").write_text(path.name)
+        (root / "latest.tmp").replace(root / "latest")
+        ckpt.prune_checkpoints(root, run.args.keep_checkpoints, path)
     run.acc.wait_for_everyone()
     return path
 
@@ -348,6 +348,8 @@ def prepare_output(run: Run) -> None:
     """Writes ``args.json``, opens the metrics logger and the batch shards, prints the setup."""
     args, acc = run.args, run.acc
     if acc.is_main_process:
+        if args.overwrite and (removed := run_dir.clear_run(run.out)):
+            run.say(f"--overwrite: removed the previous run's {', '.join(p.name for p in removed)}")
         run.out.mkdir(parents=True, exist_ok=True)
         (run.out / "args.json").write_text(json.dumps(vars(args), indent=1))
     run.logger = tu.Logger(run.out, acc.is_main_process)
@@ -362,7 +364,7 @@ def prepare_output(run: Run) -> None:
         f"{_class_name(run.core)} ({run.adapter.family} inputs): "
         f"{n_params / 1e6:.2f}M params, routes {run.routes or 'none'} rate "
         f"{args.rate if run.routes else 0}; data {args.data} {tuple(run.data['train_x'].shape)}; "
-        f"text {run.adapter.cond.source}; {acc.num_processes} process(es) ({kind}) on "
+        f"text {run.adapter.cond.source}; {tu.processes(acc.num_processes, kind)} on "
         f"{acc.device}, mixed precision {acc.mixed_precision}, {torch.get_num_threads()} thread(s)"
     )
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from diffusion import sample
 
 __all__ = ["CSV_FIELDS", "Logger", "Shards", "all_reduce_floats", "gather_rng_states", "generate"]
-__all__ += ["final_fid", "format_seconds", "ranks_in_sync", "save_grid"]
+__all__ += ["final_fid", "format_seconds", "processes", "ranks_in_sync", "save_grid"]
 
 CSV_FIELDS = ("step", "time_s", "train_loss", "val_loss", "val_loss_ema", "steps_per_s", "lr")
 
@@ -58,6 +58,18 @@ def save_grid(images: torch.Tensor, path: Path, nrow: int) -> None:
         grid[:, top : top + h * scale, left : left + w * scale] = x[k]
     pixels = ((grid.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 0).numpy()
     Image.fromarray(pixels[..., 0] if c == 1 else pixels).save(path)
+
+
+def processes(count: int, kind: str | None = None) -> str:
+    """``1 process`` or ``2 processes (MULTI_CPU)``, for the setup line of a run.
+
+    Example:
+        >>> processes(1, "NO"), processes(2, "MULTI_CPU")
+        ('1 process', '2 processes (MULTI_CPU)')
+    """
+    if count == 1:
+        return "1 process"
+    return f"{count} processes" + (f" ({kind})" if kind and kind != "NO" else "")
 
 
 class Logger:

@@ -35,6 +35,7 @@ from tread_fx.passes.stacks import (
     input_slots,
     main_input,
     resolve_block_lists,
+    shown,
 )
 from tread_fx.passes.token_major import check_stream_rank
 from tread_fx.passes.trace import MODEL_PREFIX, TensorMeta, TracedCall
@@ -157,8 +158,8 @@ def locate(
     meta = blocks[0].stream_in.meta.get("tread_meta")
     if not isinstance(meta, TensorMeta):
         raise TokenStreamError(
-            f"no token sequence flows through {', '.join(chain)}: the value entering block "
-            f"{blocks[0].path} is {meta!r}, not a tensor; pass blocks= naming a container "
+            f"no token sequence flows through {', '.join(map(shown, chain))}: the value entering "
+            f"block {blocks[0].path} is {meta!r}, not a tensor; pass blocks= naming a container "
             "whose blocks take token sequences."
         )
     first = model.get_submodule(blocks[0].path)

@@ -35,6 +35,7 @@ from tread_fx.passes.dataflow import data_ancestors
 from tread_fx.passes.trace import MODEL_PREFIX, TensorMeta, TracedCall
 
 __all__ = [
+    "shown",
     "argument_name",
     "candidate_stacks",
     "resolve_block_lists",
@@ -47,6 +48,16 @@ __all__ = [
     "input_slots",
     "argument_items",
 ]
+
+
+def shown(path: str) -> str:
+    """A container path for messages: the model itself (a top-level list) has the empty path.
+
+    Example:
+        >>> shown("blocks"), shown("")
+        ('blocks', 'the model itself')
+    """
+    return path or "the model itself"
 
 
 def candidate_stacks(model: nn.Module) -> dict[str, nn.Module]:
@@ -343,11 +354,11 @@ def _describe(chain: list[str], calls: dict[str, list[fx.Node]]) -> str:
     shapes = [tuple(m.shape) for m in metas if len(m.shape) >= 2]
     count = sum(len(calls[p]) for p in chain)
     if not shapes:
-        return f"{' + '.join(chain)}: {count} blocks"
+        return f"{' + '.join(map(shown, chain))}: {count} blocks"
     handed = _handed_stream(chain, calls)
     shape = tuple(handed.shape) if handed else max(shapes, key=lambda sh: math.prod(sh))
     tokens = f" ({shape[1]} tokens)" if len(shape) >= 3 else ""
-    return f"{' + '.join(chain)}: {count} blocks on {list(shape)}{tokens}"
+    return f"{' + '.join(map(shown, chain))}: {count} blocks on {list(shape)}{tokens}"
 
 
 def _interleaving(chains: list[list[str]], calls: dict[str, list[fx.Node]]) -> str:

@@ -20,6 +20,7 @@ from __future__ import annotations
 from torch import nn
 
 from tread_fx.errors import TokenStreamError
+from tread_fx.passes.stacks import shown
 from tread_fx.runtime.selection import Strategy, select_random
 
 __all__ = ["channels_last", "check_stream_rank", "GRID_ROWS", "is_token_major", "token_major_unit"]
@@ -76,7 +77,7 @@ def check_stream_rank(block: nn.Module, block_path: str, lists: list[str], shape
     else:
         why = f"a {len(shape)}-D value has no [batch, tokens, ...] layout tread_fx can route"
     raise TokenStreamError(
-        f"no token sequence flows through {', '.join(lists)}: the value entering block "
+        f"no token sequence flows through {', '.join(map(shown, lists))}: the value entering block "
         f"{block_path} is a {len(shape)}-D tensor of shape {list(shape)}, not a 3-D [batch, "
         "tokens, dim] (or [tokens, batch, dim]) tensor nor a channels-last 4-D stream "
         f"([B, H, W, C] or [B, N, heads, d]); it is {why}. tread_fx routes token sequences "

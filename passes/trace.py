@@ -24,7 +24,6 @@ Example:
 
 from __future__ import annotations
 
-import inspect
 import operator
 import os
 from collections.abc import Iterator
@@ -452,7 +451,9 @@ def trace_call(model: nn.Module, args: tuple, kwargs: dict, leaf_paths: set[str]
     flat, in_spec = pytree.tree_flatten((args, kwargs))
     auto_leaves: dict[str, str] = {}
     auto_functions: list = []
-    model_files = {os.path.abspath(inspect.getfile(m)) for m in python_modules(model)}
+    # a class defined in a notebook, a REPL or ``python -c`` lives in a module with no file
+    files = (getattr(m, "__file__", None) for m in python_modules(model))
+    model_files = {os.path.abspath(f) for f in files if f}
     flags, retraced = module_flags(model), False
     while True:
         tensors = [leaf for leaf in flat if isinstance(leaf, torch.Tensor)]

@@ -196,3 +196,29 @@ def test_the_console_script_runs():
         [*command, "diff", "nope"], capture_output=True, text=True, timeout=300, check=False
     )
     assert bad.returncode == 1 and "tread-fx: error:" in bad.stderr
+
+
+def test_help_and_bad_command_lines_do_not_import_torch():
+    """``tread-fx --help`` parses before anything heavy is imported (the console script calls
+    ``tread_fx.cli:main``)."""
+    probe = textwrap.dedent(
+        """
+        import sys
+        from tread_fx.cli import main
+        for argv in (["--help"], ["explain", "--help"], ["explain"]):
+            try:
+                main(argv)
+            except SystemExit:
+                pass
+        print("torch" in sys.modules, "tread_fx.api" in sys.modules)
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert "usage: tread-fx" in done.stdout
+    assert done.stdout.splitlines()[-1].split() == ["False", "False"], done.stdout + done.stderr
+
+
+def test_out_creates_its_folder(capsys, tmp_path):
+    path = tmp_path / "runs" / "explain" / "dit.txt"
+    code, out, err = _run(capsys, "explain", *DIT, "--no-flops", "--out", str(path))
+    assert code == 0 and not out and "blocks: 4 x DiTBlock" in path.read_text()

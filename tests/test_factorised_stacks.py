@@ -133,12 +133,12 @@ def test_explain_and_flops_of_the_spatial_stack():
 
 def test_share_selection_false_is_refused_on_a_folded_batch():
     model = CASES[0].route(CASES[0].model(), share_selection=False).train()
-    with pytest.raises(SelectionError, match="folds 4 sequences .* share_selection=False"):
+    with pytest.raises(SelectionError, match="(?s)folds 4 sequences .* share_selection=False"):
         model(_video())
 
 
 def test_sequences_of_one_frame_are_never_routed():
-    with pytest.raises(TokenStreamError, match=r"sequences of 1 token .*would save nothing"):
+    with pytest.raises(TokenStreamError, match=r"(?s)sequences of 1 token .*would save nothing"):
         _first_call(TemporalOnly(), _video(frames=1))
 
 

@@ -46,7 +46,7 @@ class TinyCNN(nn.Module):
 
 def test_a_cnn_stack_is_refused_at_trace_time_not_on_the_first_step() -> None:
     x, t = torch.randn(2, 4, 8, 8), torch.rand(2)
-    with pytest.raises(TokenStreamError, match=r"no token sequence flows through blocks.*4-D"):
+    with pytest.raises(TokenStreamError, match=r"(?s)no token sequence flows through blocks.*4-D"):
         tread_fx.route(TinyCNN(), [(1, 3)], example_inputs=(x, t))
     model = tread_fx.route(TinyCNN(), [(1, 3)])  # lazy: refused on the first training call
     with pytest.raises(TokenStreamError, match="no token sequence flows through blocks"):
@@ -144,3 +144,40 @@ def test_resized_nodes_are_not_marked_as_unchanged_in_the_text_diff() -> None:
     resized = [line for line in lines if line.split()[1:2] == ["model_blocks_2"]]
     assert resized and all(line.lstrip().startswith("* ") for line in resized), lines
     assert not any(line.lstrip().startswith("= ") for line in lines)
+
+
+def test_a_model_defined_without_a_file_routes() -> None:
+    """Classes defined in a notebook, a REPL or ``python -c`` live in a module with no file."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        """
+        import torch, tread_fx
+        from torch import nn
+
+        class Block(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(8, 8)
+
+            def forward(self, h):
+                return h + self.fc(h)
+
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.blocks = nn.ModuleList(Block() for _ in range(4))
+
+            def forward(self, x):
+                for block in self.blocks:
+                    x = block(x)
+                return x
+
+        tread_fx.route(Net(), [(1, 3)], example_inputs=(torch.randn(2, 16, 8),))
+        print("routed")
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.stdout.strip() == "routed", done.stderr[-2000:]

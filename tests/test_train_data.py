@@ -97,7 +97,7 @@ def test_fashion_mnist_missing_directory_and_files(tmp_path):
     with pytest.raises(data.DataError, match="train-labels-idx1-ubyte"):
         data.load_dataset("fashion-mnist", d)
     data.write_idx(d / "train-labels-idx1-ubyte", np.arange(5, dtype=np.uint8))
-    with pytest.raises(data.DataError, match="train-labels-idx1-ubyte.*do not match 6 images"):
+    with pytest.raises(data.DataError, match="(?s)train-labels-idx1-ubyte.*do not match 6 images"):
         data.load_dataset("fashion-mnist", d)
 
 

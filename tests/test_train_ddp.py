@@ -37,7 +37,7 @@ def test_two_process_run_stays_in_sync(tmp_path):
     steps = [r for r in records if "event" not in r]
     assert steps[-1]["step"] == 3  # logged once, by rank 0 only
     assert "rank sync check over 2 processes: ok" in proc.stdout
-    assert "2 process(es)" in proc.stdout
+    assert "2 processes" in proc.stdout
     meta = json.loads((out / "checkpoints" / "step_0000003" / "meta.json").read_text())
     assert meta["world_size"] == 2
     from safetensors.torch import load_file

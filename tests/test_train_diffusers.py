@@ -118,7 +118,7 @@ def test_two_cpu_processes_under_torchrun_train_in_sync(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert "2 process(es) (MULTI_CPU)" in proc.stdout
+    assert "2 processes (MULTI_CPU)" in proc.stdout
     sync = [r for r in _records(out) if r.get("event") == "sync_check"]
     assert len(sync) == 1 and sync[0]["ok"] is True and sync[0]["world_size"] == 2
 
@@ -159,7 +159,7 @@ def test_accelerates_fsdp2_preparation_trains_saves_and_samples_on_two_cpu_proce
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert "2 process(es) (FSDP)" in proc.stdout
+    assert "2 processes (FSDP)" in proc.stdout
     records = _records(out)
     assert [r["step"] for r in records] == [3]  # the main process logs, once
     assert all(math.isfinite(r["train_loss"]) and r["val_loss_ema"] is None for r in records)

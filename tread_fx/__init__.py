@@ -11,16 +11,65 @@ Example:
     >>> model = tread_fx.route(model, routes=[(2, 8)], rate=0.5)
 """
 
-from tread_fx import adapters, errors, models, passes, routes
-from tread_fx.adapters import register_adapter
-from tread_fx.api import RouteInfo, is_routed, route, route_info, routed_graphs, unroute
-from tread_fx.config import RoutingConfig, resolve_config
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from tread_fx import errors
 from tread_fx.errors import *  # noqa: F403
-from tread_fx.inspection import explain
-from tread_fx.passes.rewrite import Reinsert
-from tread_fx.registry import register_leaf_function, register_leaf_module
-from tread_fx.routes import Route
-from tread_fx.training import force_routing, losses, sparse_guidance
+
+if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and editors
+    from tread_fx import adapters, models, passes, routes
+    from tread_fx.adapters import register_adapter
+    from tread_fx.api import RouteInfo, is_routed, route, route_info, routed_graphs, unroute
+    from tread_fx.config import RoutingConfig, resolve_config
+    from tread_fx.inspection import explain
+    from tread_fx.passes.rewrite import Reinsert
+    from tread_fx.registry import register_leaf_function, register_leaf_module
+    from tread_fx.routes import Route
+    from tread_fx.training import force_routing, losses, sparse_guidance
+
+# Everything else loads on first use (PEP 562), so ``import tread_fx`` (and ``tread-fx --help``)
+# does not import torch until a name that needs it is touched.
+_LAZY = {  # name -> (module, attribute or None for the module itself)
+    "adapters": ("tread_fx.adapters", None),
+    "models": ("tread_fx.models", None),
+    "passes": ("tread_fx.passes", None),
+    "routes": ("tread_fx.routes", None),
+    "register_adapter": ("tread_fx.adapters", "register_adapter"),
+    "RouteInfo": ("tread_fx.api", "RouteInfo"),
+    "is_routed": ("tread_fx.api", "is_routed"),
+    "route": ("tread_fx.api", "route"),
+    "route_info": ("tread_fx.api", "route_info"),
+    "routed_graphs": ("tread_fx.api", "routed_graphs"),
+    "unroute": ("tread_fx.api", "unroute"),
+    "RoutingConfig": ("tread_fx.config", "RoutingConfig"),
+    "resolve_config": ("tread_fx.config", "resolve_config"),
+    "explain": ("tread_fx.inspection.explain", "explain"),
+    "Reinsert": ("tread_fx.passes.rewrite", "Reinsert"),
+    "register_leaf_function": ("tread_fx.registry", "register_leaf_function"),
+    "register_leaf_module": ("tread_fx.registry", "register_leaf_module"),
+    "Route": ("tread_fx.routes", "Route"),
+    "force_routing": ("tread_fx.training", "force_routing"),
+    "losses": ("tread_fx.training", "losses"),
+    "sparse_guidance": ("tread_fx.training", "sparse_guidance"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Imports a public name on first use and keeps it (``tread_fx.route``, ...)."""
+    if name not in _LAZY:
+        raise AttributeError(f"module 'tread_fx' has no attribute {name!r}")
+    module, attribute = _LAZY[name]
+    value = importlib.import_module(module)
+    if attribute is not None:
+        value = getattr(value, attribute)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     *errors.__all__,

@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -92,6 +93,19 @@ class RoutingConfig:
         return dataclasses.replace(self, routes=parsed, rate=rate, resolved=resolved)
 
 
+def _takes_input(member: nn.Module) -> bool:
+    """Whether a container member can receive a value: a forward with some parameter (or a
+    nested list of sub-blocks, one of which can). Unknown signatures count as taking one."""
+    if isinstance(member, nn.ModuleList):
+        return any(_takes_input(sub) for sub in member)
+    if type(member).forward is nn.Module.forward:  # ModuleDict, ParameterList: no forward
+        return False
+    try:
+        return len(inspect.signature(member.forward).parameters) > 0
+    except (TypeError, ValueError):
+        return True
+
+
 def _known_depth(model: nn.Module, blocks: Any, list_paths: list[str]) -> int | None:
     """The number of blocks when the stack is known without tracing (else ``None``).
 
@@ -105,6 +119,13 @@ def _known_depth(model: nn.Module, blocks: Any, list_paths: list[str]) -> int | 
             raise BlockStackNotFoundError(
                 f"{type(model).__name__} has no ModuleList/Sequential of same-class modules to "
                 "route around; pass blocks='<attribute path>' naming the block container."
+            )
+        if not any(_takes_input(m) for s in stacks.values() for m in s):
+            raise BlockStackNotFoundError(
+                f"{type(model).__name__} has no list of blocks that take an input: the members "
+                f"of {', '.join(p or 'the model itself' for p in stacks)} take no argument "
+                "(or have no forward), so no token stream can pass through them. Pass "
+                "blocks='<attribute path>' naming the block container."
             )
         if len(stacks) > 1:
             return None  # decided by data flow at trace time

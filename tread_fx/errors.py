@@ -17,6 +17,8 @@ Example:
 from __future__ import annotations
 
 __all__ = [
+    "FIRST_LINE",
+    "short_first_line",
     "TreadFxError",
     "InvalidRouteError",
     "InvalidRateError",
@@ -38,8 +40,76 @@ __all__ = [
 ]
 
 
+FIRST_LINE = 150  # characters: what a traceback's last line shows before the details
+
+
+def short_first_line(message: str, limit: int = FIRST_LINE) -> str:
+    """Breaks ``message`` after a clause so that its first line has at most ``limit`` chars.
+
+    A closing parenthetical (``path: problem (the library's own message)``) goes below;
+    otherwise the break goes after the last sentence or clause end (``. ``, ``; ``, ``: ``, then
+    ``, ``, then a space) outside brackets that keeps the first line short; the rest follows
+    on the next line, unchanged. A message whose first line is short is returned as it is.
+
+    Example:
+        >>> text = "blocks 2..9 cannot be routed: " + "x " * 80
+        >>> short_first_line(text).splitlines()[0]
+        'blocks 2..9 cannot be routed:'
+    """
+    first, newline, rest = message.partition("\n")
+    if len(first) <= limit:
+        return message
+    outside, depth = [], 0  # positions outside brackets: a break never splits a shape or list
+    for char in first[: limit + 1]:
+        depth += (char in "([{") - (char in ")]}")
+        outside.append(depth <= 0)
+    trailing = _trailing_parenthesis(first)
+    if 20 <= trailing <= limit:  # "path: problem (detail ...)": the detail goes below
+        return f"{first[:trailing].rstrip()}\n{first[trailing:]}{newline}{rest}"
+    for marks in ((". ", "; ", ": "), (", ",), (" ",)):
+        cuts = [i for m in marks for i in _find_all(first[: limit + 1], m) if outside[i]]
+        if cuts and max(cuts) >= 20:
+            cut = max(cuts)
+            break
+    else:
+        cut = limit - 1
+    cut += 1  # keep the mark on the first line, drop the space
+    details = first[cut:].lstrip()
+    return f"{first[:cut].rstrip()}\n{details}{newline}{rest}"
+
+
+def _trailing_parenthesis(text: str) -> int:
+    """Where the parenthesis that closes ``text`` opens (-1 when ``text`` does not end in one)."""
+    body = text.rstrip(".")
+    if not body.endswith(")"):
+        return -1
+    depth = 0
+    for i in range(len(body) - 1, -1, -1):
+        depth += (body[i] == ")") - (body[i] == "(")
+        if depth == 0:
+            return i if body[i - 1 : i] == " " else -1
+    return -1
+
+
+def _find_all(text: str, mark: str) -> list[int]:
+    found, start = [], text.find(mark)
+    while start >= 0:
+        found.append(start)
+        start = text.find(mark, start + 1)
+    return found
+
+
 class TreadFxError(Exception):
-    """Base class of every error tread_fx raises on purpose."""
+    """Base class of every error tread_fx raises on purpose.
+
+    Its first line is at most :data:`FIRST_LINE` characters (what was asked and found); the
+    details (what to do) follow on the next lines.
+    """
+
+    def __init__(self, *args: object) -> None:
+        if len(args) == 1 and isinstance(args[0], str):
+            args = (short_first_line(args[0]),)
+        super().__init__(*args)
 
 
 class InvalidRouteError(TreadFxError, ValueError):

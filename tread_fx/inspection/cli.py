@@ -31,11 +31,10 @@ from typing import Any
 
 from torch import nn
 
+from tread_fx.cli import FORMATS, build_parser  # noqa: F401 - FORMATS: re-exported
 from tread_fx.errors import ExampleInputError, InvalidRouteError, ModelSpecError, TreadFxError
 
-__all__ = ["main", "build_parser", "load_model", "parse_route_specs", "parse_shape"]
-
-FORMATS = ("text", "json", "dot", "svg", "html")
+__all__ = ["main", "build_parser", "load_model", "parse_route_specs", "parse_shape", "run"]
 
 
 def parse_route_specs(specs: Sequence[str]) -> list[tuple]:
@@ -153,58 +152,6 @@ def _json_kwargs(text: str | None) -> dict[str, Any]:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``tread-fx``."""
-    parser = argparse.ArgumentParser(
-        prog="tread-fx", description="Inspect TREAD token routing of a diffusion backbone."
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-    for name, text in (
-        ("explain", "full report: stacks, stream, routes, FLOPs, guards"),
-        ("diff", "structural diff of the original and routed graphs"),
-    ):
-        p = sub.add_parser(name, help=text, description=text)
-        p.add_argument("model", metavar="MODEL", help="package.module:factory")
-        p.add_argument(
-            "--routes",
-            action="append",
-            default=None,
-            metavar="START:END[:RATE]",
-            help="route(s), comma-separated or repeated (default 2:-4)",
-        )
-        p.add_argument("--rate", type=float, default=0.5, help="fraction routed around (0.5)")
-        p.add_argument("--selection", default="random", choices=("random", "rows"))
-        p.add_argument("--blocks", action="append", help="block container path(s)")
-        p.add_argument("--keep-prefix", type=int, default=None, help="leading tokens kept")
-        p.add_argument("--no-strict", action="store_true", help="guess side inputs")
-        p.add_argument("--input-shape", type=str, default=None, help="latent shape, 1,4,32,32")
-        p.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
-        p.add_argument(
-            "--model-kwargs",
-            "--kwargs",
-            dest="model_kwargs",
-            default=None,
-            metavar="JSON",
-            help="constructor kwargs of the factory, JSON",
-        )
-        p.add_argument("--seed", type=int, default=0, help="seed for weights and inputs")
-        p.add_argument("--format", choices=FORMATS, default="text")
-        p.add_argument("--out", default=None, metavar="PATH", help="write here, not stdout")
-        p.add_argument("--color", choices=("auto", "always", "never"), default="auto")
-        p.add_argument("--full", action="store_true", help="also draw Python-value nodes")
-        p.add_argument("--no-flops", action="store_true", help="skip ATen/FLOP counting")
-        p.add_argument("--debug", action="store_true", help="show tracebacks")
-        p.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr")
-        p.add_argument(
-            "--threads",
-            type=int,
-            default=1,
-            help="torch intra-op threads (default 1: tracing runs many tiny ops, and more "
-            "threads spin-wait for each other on a busy machine)",
-        )
-    return parser
-
-
 def _use_color(choice: str, out: str | None) -> bool:
     if choice != "auto":
         return choice == "always"
@@ -308,9 +255,9 @@ class _Progress:
             print(f"tread-fx: done in {total:.1f} s", file=sys.stderr, flush=True)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``tread-fx``; returns the exit status."""
-    args = build_parser().parse_args(argv)
+def run(args: argparse.Namespace) -> int:
+    """Runs a parsed ``tread-fx`` command line (see :func:`tread_fx.cli.main`); returns the
+    exit status."""
     try:
         text = _run(args)
     except TreadFxError as err:
@@ -318,13 +265,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"tread-fx: error: {err}", file=sys.stderr)
         return 1
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
+    out = args.out
+    if out:
+        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+        with open(out, "w", encoding="utf-8") as f:
             f.write(text)
-        print(f"tread-fx: wrote {args.out}", file=sys.stderr)
+        print(f"tread-fx: wrote {out}", file=sys.stderr)
     else:
         sys.stdout.write(text)
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``tread-fx``; returns the exit status."""
+    return run(build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":  # pragma: no cover
