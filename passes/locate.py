@@ -325,12 +325,21 @@ def _assign_stream_slots(blocks: list[BlockCall], primary: fx.Node, block_nodes:
         block.stream_in = slots[block.in_slot]
         following = blocks[i + 1] if i + 1 < len(blocks) else None
         last_of_list = following is None or following.list_path != block.list_path
-        if last_of_list and prev is not None and prev.list_path == block.list_path:
-            block.out_slot = prev.out_slot  # the last block is called like the ones before it
-        else:
-            block.out_slot = _out_slot(block, following, block_nodes)
         outs = output_slots(block.node)
+        if last_of_list and _returns_like(block, prev, outs):
+            block.out_slot = prev.out_slot  # the last block is called like the ones before it
+        else:  # (members of several kinds: attention returns a tuple, a feed-forward a tensor)
+            block.out_slot = _out_slot(block, following, block_nodes)
         block.stream_out = block.node if block.out_slot is None else outs[block.out_slot]
+
+
+def _returns_like(block: BlockCall, prev: BlockCall | None, outs: dict) -> bool:
+    """Whether ``block`` returns the stream where ``prev`` of the same list does."""
+    if prev is None or prev.list_path != block.list_path:
+        return False
+    if prev.out_slot is None:
+        return isinstance(block.node.meta.get("tread_meta"), TensorMeta)
+    return prev.out_slot in outs
 
 
 def _same_form_as_first(keys: list, slots: dict, first: BlockCall) -> list:

@@ -106,15 +106,23 @@ def _is_nested_member(module: nn.Module) -> bool:
 
 def block_leaf_paths(model: nn.Module, list_paths: Iterable[str]) -> set[str]:
     """Return the paths of every member of the given containers (traced as leaves); for a
-    member that is a list of sub-blocks, the paths of its sub-blocks."""
+    member that is a list of sub-blocks, the paths of its sub-blocks, entering lists nested in
+    it (``ModuleList([norms, block, residual])`` whose ``norms`` is a list again)."""
     paths = set()
     for p in list_paths:
         for name, member in model.get_submodule(p).named_children():
             path = f"{p}.{name}" if p else name
-            if _is_nested_member(member):
-                paths |= {f"{path}.{sub}" for sub, _ in member.named_children()}
-            else:
-                paths.add(path)
+            paths |= _sub_block_paths(member, path) if _is_nested_member(member) else {path}
+    return paths
+
+
+def _sub_block_paths(member: nn.Module, path: str) -> set[str]:
+    paths = set()
+    for sub, child in member.named_children():
+        if child is None:
+            continue
+        nested = isinstance(child, nn.ModuleList)
+        paths |= _sub_block_paths(child, f"{path}.{sub}") if nested else {f"{path}.{sub}"}
     return paths
 
 
@@ -126,7 +134,8 @@ def ancestors(node: fx.Node, stop: set[fx.Node]) -> set[fx.Node]:
 
 def block_calls(traced: TracedCall, list_paths: list[str]) -> dict[str, list[fx.Node]]:
     """Calls of each container's members, in order; for a member that is a list of
-    sub-blocks, its first sub-block call (the block boundary is the first call into it)."""
+    sub-blocks, its first sub-block call at any depth (the block boundary is the first call
+    into it)."""
     calls: dict[str, list[fx.Node]] = {p: [] for p in list_paths}
     entered: set[str] = set()
     for node in traced.gm.graph.nodes:
@@ -134,13 +143,24 @@ def block_calls(traced: TracedCall, list_paths: list[str]) -> dict[str, list[fx.
             continue
         target = node.target[len(MODEL_PREFIX) :]
         parent = target.rpartition(".")[0]
-        grand = parent.rpartition(".")[0]
         if parent in calls:
             calls[parent].append(node)
-        elif grand in calls and parent not in entered and parent not in calls:
-            entered.add(parent)
-            calls[grand].append(node)
+            continue
+        member = _nested_member_of(target, calls)
+        if member is not None and member not in entered:
+            entered.add(member)
+            calls[member.rpartition(".")[0]].append(node)
     return calls
+
+
+def _nested_member_of(target: str, lists: dict) -> str | None:
+    """The member ``<list>.<i>`` of the innermost listed container that ``target`` lies in,
+    below the member itself; ``None`` when it lies in none."""
+    parts = target.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        if ".".join(parts[: cut - 1]) in lists:
+            return ".".join(parts[:cut])
+    return None
 
 
 def _valid_sequence(model: nn.Module, path: str, nodes: list[fx.Node]) -> bool:
