@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import sys
 from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -59,11 +60,20 @@ def candidate_stacks(model: nn.Module) -> dict[str, nn.Module]:
     found, mixed = {}, {}
     for path, module in model.named_modules():
         is_container = isinstance(module, (nn.ModuleList, nn.Sequential))
-        if is_container and len(module) >= 2 and len({type(c) for c in module}) == 1:
+        if is_container and len(module) >= 2 and len({_block_class(c) for c in module}) == 1:
             found[path] = module
         elif isinstance(module, nn.ModuleList) and len(module) >= 2:
             mixed[path] = module
     return found or mixed
+
+
+def _block_class(module: nn.Module) -> type:
+    """A member's class; a member compiled on its own (``torch.compile(block)``, dynamo's
+    ``OptimizedModule``) counts as the class it wraps."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is not None and isinstance(module, eval_frame.OptimizedModule):
+        return _block_class(module._orig_mod)
+    return type(module)
 
 
 def resolve_block_lists(

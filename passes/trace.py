@@ -62,7 +62,7 @@ from tread_fx.passes.trace_support import (
     user_frame,
 )
 from tread_fx.registry import leaf_functions, leaf_modules
-from tread_fx.runtime.guards import check_traced_value
+from tread_fx.runtime.guards import check_traced_length, check_traced_value
 
 __all__ = [
     "TensorMeta",
@@ -286,10 +286,19 @@ class ValueTracer(fx.Tracer):
         return value
 
     def structure(self, proxy: fx.Proxy, what: str) -> Any:
-        """Return a value whose length/iteration is needed; tensors iterate over dim 0 shape."""
+        """Return a value whose length/iteration is needed; tensors iterate over dim 0 shape.
+
+        A tuple or list returned by a call on tensors (a leaf library function's
+        ``(tensor, shapes)``) is unpacked by its length, which the routed graph checks on
+        every call (:func:`check_traced_length`); its items stay graph values.
+        """
         value = self.value_of(proxy)
         if proxy.node in self.tainted:
-            self.concrete(proxy, what)
+            if type(value) in (tuple, list) and what in ("iteration", "len()"):
+                check = (proxy, len(value), user_frame())
+                self.create_proxy("call_function", check_traced_length, check, {})
+            else:
+                self.concrete(proxy, what)
         return value
 
     def _run(self, kind: str, target: Any, args: tuple, kwargs: dict) -> Any:

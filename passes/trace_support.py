@@ -327,7 +327,10 @@ def trace_restoring_state(
 ) -> fx.Graph:
     """``tracer.trace(wrapper)`` under no_grad, leaving RNG state and ``model``'s buffers
     (BatchNorm statistics) as they were; Python ``random`` is refused, factories take
-    proxies, checkpointed calls are traced as plain calls."""
+    proxies, checkpointed calls are traced as plain calls, and the patches for community and
+    research code apply (:mod:`tread_fx.passes.trace_compat`)."""
+    from tread_fx.passes.trace_compat import research_code_patches  # it imports this module
+
     devices = sorted({t.device.index for t in tensors if t.device.type == "cuda"})
     buffers = _snapshot_buffers(model)
     grad_mode = torch.is_grad_enabled()
@@ -339,6 +342,7 @@ def trace_restoring_state(
             factories_take_proxies(tracer),
             refuse_python_random(tracer),
             checkpoint_as_plain_call(tracer, model),
+            research_code_patches(tracer, model),
         ):
             return tracer.trace(wrapper)
     finally:
