@@ -33,6 +33,7 @@ from torch import nn
 
 from tread_fx.errors import AmbiguousBlockStackError, BlockStackNotFoundError
 from tread_fx.passes.dataflow import data_ancestors
+from tread_fx.passes.token_major import channels_last
 from tread_fx.passes.trace import MODEL_PREFIX, TensorMeta, TracedCall
 
 __all__ = [
@@ -290,12 +291,44 @@ def _chains(
         for chain in chains:
             last = calls[chain[-1]][-1]
             first = calls[path][0]
-            if order[first] > order[last] and last in ancestors(first, set()):
+            joined = order[first] > order[last] and last in ancestors(first, set())
+            if joined and _same_form(chain[-1], path, calls):
                 chain.append(path)
                 break
         else:
             chains.append([path])
     return chains
+
+
+def _same_form(before: str, after: str, calls: dict[str, list[fx.Node]]) -> bool:
+    """Whether two lists called one after the other carry one stream: the value each hands
+    from block to block has the same rank and width. A conv list on ``[B, C, H, W]`` feeding
+    a token list, or encoder blocks at width 64 feeding decoder blocks at 512 through a
+    projection, are different stacks. Unclear forms (one block, several values) join."""
+    a, b = _handed_stream([before], calls), _handed_stream([after], calls)
+    if a is None or b is None:
+        return True
+    return len(a.shape) == len(b.shape) and a.shape[-1] == b.shape[-1]
+
+
+def _form_break(chains: list[list[str]], calls: dict[str, list[fx.Node]]) -> str:
+    """``"encoder: [2, 16, 32]; decoder: [2, 16, 48]"`` when the chains (in call order)
+    carry streams of different forms; empty when they do not."""
+    metas = {p: _handed_stream([p], calls) for chain in chains for p in chain}
+    known = {p: m for p, m in metas.items() if m is not None}
+    forms = {(len(m.shape), m.shape[-1]) for m in known.values()}
+    return "; ".join(f"{p}: {list(m.shape)}" for p, m in known.items()) if len(forms) > 1 else ""
+
+
+def _feature_map(model: nn.Module, chain: list[str], calls: dict[str, list[fx.Node]]) -> bool:
+    """Whether a chain's blocks hand on a feature map (``[B, C, H, W]`` read by convolutions
+    on dim 1, or a value of rank 5 and more) rather than a token sequence."""
+    meta = _handed_stream(chain, calls)
+    if meta is None:
+        return False
+    first = model.get_submodule(calls[chain[0]][0].target[len(MODEL_PREFIX) :])
+    rank = len(meta.shape)
+    return rank > 4 or (rank == 4 and not channels_last(first, tuple(meta.shape)))
 
 
 def _hand_off_hops(chain: list[str], calls: dict[str, list[fx.Node]]) -> int:
@@ -306,6 +339,13 @@ def _hand_off_hops(chain: list[str], calls: dict[str, list[fx.Node]]) -> int:
 
 def _choose_chain(model: nn.Module, chains: list[list[str]], calls, explicit: bool) -> list[str]:
     if explicit:
+        if len(chains) > 1 and (widths := _form_break(chains, calls)):
+            raise BlockStackNotFoundError(
+                f"blocks= named {' + '.join(c for chain in chains for c in chain)}, but they "
+                f"carry streams of different forms ({widths}): one route cannot span the "
+                "change (a projection between them); name the lists of one form, e.g. "
+                f"blocks={chains[0] if len(chains[0]) > 1 else chains[0][0]!r}."
+            )
         if len(chains) != 1:
             raise BlockStackNotFoundError(
                 f"blocks= named {sorted(calls)}, but their members are not called once each, "
@@ -319,6 +359,8 @@ def _choose_chain(model: nn.Module, chains: list[list[str]], calls, explicit: bo
             f"same-class modules is called once per member in order (candidates: "
             f"{sorted(calls) or 'none'}). Pass blocks='<attribute path>' to route()."
         )
+    # a list of conv blocks around an attention encoder never beats a token list
+    chains = [c for c in chains if not _feature_map(model, c, calls)] or chains
     size = lambda chain: sum(len(calls[p]) for p in chain)
     best = max(size(c) for c in chains)
     top = [c for c in chains if size(c) == best]

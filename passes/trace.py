@@ -83,7 +83,9 @@ _METADATA_METHODS = frozenset(
      "element_size", "is_contiguous", "get_device", "stride"}
 )  # fmt: skip
 # read as Python values: dtype and device are part of the signature guard (torch.finfo(x.dtype))
-_CONCRETE_ATTRS = frozenset({"dtype", "device", "layout", "is_cuda", "is_sparse", "is_quantized"})
+_CONCRETE_ATTRS = frozenset(
+    {"dtype", "device", "layout", "is_cuda", "is_sparse", "is_quantized", "is_nested"}
+)
 _GUARD_KINDS = {"bool()": "bool", "int()": "int", "an index": "int", "float()": "float"}
 _DATA_METHODS = frozenset({"item", "tolist", "numpy", "__bool__", "__int__", "__float__"})
 
@@ -241,6 +243,8 @@ class ValueTracer(fx.Tracer):
         leaves = (*leaf_functions(), *functions)
         super().__init__(autowrap_functions=leaves, param_shapes_constant=False)
         self.leaf_paths = leaf_paths
+        # modules holding the blocks (an ``nn.TransformerEncoder``'s layers): traced through
+        self.holders = {p.rsplit(".", k)[0] for p in leaf_paths for k in range(1, p.count("."))}
         self.example = example
         self.values: dict[fx.Node, Any] = {}
         self.tainted: set[fx.Node] = set()
@@ -396,6 +400,8 @@ class ValueTracer(fx.Tracer):
             return True
         if has_call_hooks(m):  # FSDP2 units, checkpoint hooks: called, so the hooks still run
             return True
+        if module_qualified_name in self.holders:  # torch.nn's own too: its blocks are seen
+            return False
         return super().is_leaf_module(m, module_qualified_name)
 
     def call_module(self, m: nn.Module, forward, args: tuple, kwargs: dict) -> Any:
