@@ -34,6 +34,7 @@ from tread_fx.passes.stacks import (
     forward_path,
     input_slots,
     main_input,
+    refuse_hierarchical_stages,
     resolve_block_lists,
 )
 from tread_fx.passes.token_major import check_stream_rank
@@ -153,6 +154,7 @@ def locate(
             # the stream's way into a later list is unclear (CaiT's class-attention blocks
             # take (tokens, cls)): the stack ends before that list
             chain = chain[: chain.index(err.list_path)]
+    refuse_hierarchical_stages(model, blocks)
     carried = {p: _carried_slots([b for b in blocks if b.list_path == p]) for p in chain}
     meta = blocks[0].stream_in.meta.get("tread_meta")
     if not isinstance(meta, TensorMeta):
@@ -244,13 +246,37 @@ def _first_stream_slot(
     pool = from_primary or list(slots)
     if following is not None and following.list_path == block.list_path:
         next_in = input_slots(following.node)
-        handed = [
-            k
-            for k in pool
-            if k in next_in and block.node in ancestors(next_in[k], block_nodes) | {next_in[k]}
-        ]
+        is_handed = lambda k: (
+            k in next_in and block.node in ancestors(next_in[k], block_nodes) | {next_in[k]}
+        )
+        handed = [k for k in pool if is_handed(k)]
+        if from_primary and not handed:
+            _refuse_latents(block, slots, from_primary, [k for k in slots if is_handed(k)])
         pool = handed or pool
     return max(pool, key=lambda k: _num_elements(slots[k]))
+
+
+def _refuse_latents(block: BlockCall, slots: dict, from_input: list, handed: list) -> None:
+    """Refuse blocks that hand on a value not computed from the model's input while the input
+    reaches them only unchanged, in every block (a perceiver's learned latents attending to
+    the input as context)."""
+    if not handed:
+        return
+    shape = lambda k: list(slots[k].meta["tread_meta"].shape)
+    raise TokenStreamError(
+        f"the blocks of {block.list_path!r} process values not computed from the input's "
+        f"tokens (learned latents?)\n{block.path} hands on {_slot_name(handed[0])} "
+        f"{shape(handed[0])} from block to block; "
+        "the model's input reaches every block unchanged as "
+        f"{_slot_name(from_input[0])} {shape(from_input[0])} (a cross-attention context, as in a"
+        " perceiver). TREAD routes the tokens of the input's stream through the blocks; there "
+        "are none here. Route a backbone whose blocks carry the input's tokens, or pass blocks= "
+        "naming such a list."
+    )
+
+
+def _slot_name(key: SlotKey) -> str:
+    return f"argument {key[1]}" if key[0] == "arg" else f"{key[1]}="
 
 
 def _num_elements(node: fx.Node) -> int:

@@ -31,7 +31,7 @@ from typing import Any
 import torch.fx as fx
 from torch import nn
 
-from tread_fx.errors import AmbiguousBlockStackError, BlockStackNotFoundError
+from tread_fx.errors import AmbiguousBlockStackError, BlockStackNotFoundError, TokenStreamError
 from tread_fx.passes.dataflow import data_ancestors
 from tread_fx.passes.token_major import channels_last
 from tread_fx.passes.trace import MODEL_PREFIX, TensorMeta, TracedCall
@@ -48,6 +48,7 @@ __all__ = [
     "forward_path",
     "input_slots",
     "argument_items",
+    "refuse_hierarchical_stages",
 ]
 
 
@@ -158,7 +159,9 @@ def block_calls(traced: TracedCall, list_paths: list[str]) -> dict[str, list[fx.
             calls[parent].append(node)
             continue
         member = _nested_member_of(target, calls)
-        if member is not None and member not in entered:
+        if member is None or not _is_nested_member(traced.wrapper.model.get_submodule(member)):
+            continue  # a call into a plain block's submodule from outside it (DiT's norm1.emb)
+        if member not in entered:
             entered.add(member)
             calls[member.rpartition(".")[0]].append(node)
     return calls
@@ -341,8 +344,8 @@ def _choose_chain(model: nn.Module, chains: list[list[str]], calls, explicit: bo
     if explicit:
         if len(chains) > 1 and (widths := _form_break(chains, calls)):
             raise BlockStackNotFoundError(
-                f"blocks= named {' + '.join(c for chain in chains for c in chain)}, but they "
-                f"carry streams of different forms ({widths}): one route cannot span the "
+                f"blocks= named {' + '.join(c for chain in chains for c in chain)}, which carry "
+                f"streams of different forms\n({widths}): one route cannot span the "
                 "change (a projection between them); name the lists of one form, e.g. "
                 f"blocks={chains[0] if len(chains[0]) > 1 else chains[0][0]!r}."
             )
@@ -459,3 +462,34 @@ def choose_stack(
 ) -> list[str]:
     """The chain of container paths that is the block stack (refuses with the reason)."""
     return _choose_chain(model, _chains(model, calls, primary), calls, explicit)
+
+
+def refuse_hierarchical_stages(model: nn.Module, blocks: list[Any]) -> None:
+    """Refuse a stack of hierarchical stages: members that hold block lists of their own and
+    hand on a stream of another shape than they take (a windowed backbone's stages merging
+    patches between them). The route belongs inside one stage; the error names its list.
+
+    Args:
+        model: The model.
+        blocks: The located ``BlockCall``s, their stream slots assigned.
+    """
+    members = [b for b in blocks if b.path.rpartition(".")[0] == b.list_path]  # not nested
+    for block in members:
+        before = block.stream_in.meta.get("tread_meta") if block.stream_in is not None else None
+        after = block.stream_out.meta.get("tread_meta") if block.stream_out is not None else None
+        if not (isinstance(before, TensorMeta) and isinstance(after, TensorMeta)):
+            continue
+        if before.shape[:-1] == after.shape[:-1]:
+            continue
+        inner = [
+            f"{b.path}.{p}" for b in members for p in candidate_stacks(model.get_submodule(b.path))
+        ]
+        if not inner:
+            return
+        raise TokenStreamError(
+            f"the blocks of {block.list_path!r} are hierarchical stages, not a stack of blocks\n"
+            f"{block.path} takes the stream as {list(before.shape)} and hands it on as "
+            f"{list(after.shape)}, and the stages hold their own block lists ({inner}); a "
+            "route cannot span stages whose token count changes. Route inside one stage, "
+            f"e.g. blocks={inner[0]!r}."
+        )
