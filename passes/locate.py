@@ -333,6 +333,8 @@ def _assign_stream_slots(blocks: list[BlockCall], primary: fx.Node, block_nodes:
                 k for k, n in slots.items() if prev.stream_out in ancestors(n, block_nodes) | {n}
             ]
             keys = _same_form_as_first(keys, slots, blocks[0]) if len(keys) > 1 else keys
+            following = blocks[i + 1] if i + 1 < len(blocks) else None
+            keys = _handed_within(block, following, keys, block_nodes) if len(keys) > 1 else keys
             if len(keys) != 1:
                 raise _UnclearHandOff(
                     block.list_path,
@@ -357,6 +359,20 @@ def _assign_stream_slots(blocks: list[BlockCall], primary: fx.Node, block_nodes:
         else:  # (members of several kinds: attention returns a tuple, a feed-forward a tensor)
             block.out_slot = _out_slot(block, following, block_nodes)
         block.stream_out = block.node if block.out_slot is None else outs[block.out_slot]
+
+
+def _handed_within(
+    block: BlockCall, following: BlockCall | None, keys: list, block_nodes: set
+) -> list:
+    """Of several arguments fed by the previous list, the one the new list hands on from its
+    block to the next: a U-ViT's out blocks take ``(x, skip)``, both from the in blocks, and
+    hand ``x`` on among themselves."""
+    if following is None or following.list_path != block.list_path:
+        return keys
+    next_in = input_slots(following.node)
+    reach = lambda k: ancestors(next_in[k], block_nodes) | {next_in[k]}
+    handed = [k for k in keys if k in next_in and block.node in reach(k)]
+    return handed or keys
 
 
 def _returns_like(block: BlockCall, prev: BlockCall | None, outs: dict) -> bool:
