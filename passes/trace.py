@@ -291,11 +291,8 @@ class ValueTracer(fx.Tracer):
 
     def structure(self, proxy: fx.Proxy, what: str) -> Any:
         """Return a value whose length/iteration is needed; tensors iterate over dim 0 shape.
-
-        A tuple or list returned by a call on tensors (a leaf library function's
-        ``(tensor, shapes)``) is unpacked by its length, which the routed graph checks on
-        every call (:func:`check_traced_length`); its items stay graph values.
-        """
+        A tuple/list a call on tensors returned (einops ``pack``) is unpacked by its length,
+        checked on every call (:func:`check_traced_length`); its items stay graph values."""
         value = self.value_of(proxy)
         if proxy.node in self.tainted:
             if type(value) in (tuple, list) and what in ("iteration", "len()"):
