@@ -71,9 +71,11 @@ __all__ = [
     "FlatCall",
     "trace_call",
     "MODEL_PREFIX",
+    "ARG_MODULE_PREFIX",
 ]
 
 MODEL_PREFIX = "model."
+ARG_MODULE_PREFIX = "arg_module_"
 _MAX_AUTO_LEAVES = 64
 _METADATA_ATTRS = frozenset(
     {"shape", "dtype", "device", "ndim", "is_cuda", "requires_grad", "layout", "is_sparse"}
@@ -211,6 +213,9 @@ class FlatCall(nn.Module):
         self.model = model
         self.in_spec = in_spec
         self.const_leaves = [None if isinstance(v, torch.Tensor) else v for v in leaves]
+        for i, v in enumerate(leaves):  # a module handed in (a rotary module): traced through
+            if isinstance(v, nn.Module) and v is not model:
+                self.add_module(f"{ARG_MODULE_PREFIX}{i}", v)
         self.tensor_positions = tuple(
             i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)
         )
