@@ -35,7 +35,7 @@ from torch.utils import _pytree as pytree
 from tread_fx.adapters.token_tables import take_rows
 from tread_fx.adapters.values import StreamLayout, TensorMeta
 from tread_fx.passes.locate import BlockCall
-from tread_fx.passes.trace import MODEL_PREFIX, TracedCall, trace_call
+from tread_fx.passes.trace import ARG_MODULE_PREFIX, MODEL_PREFIX, TracedCall, trace_call
 from tread_fx.passes.trace_support import has_call_hooks
 from tread_fx.runtime.guards import check_traced_value
 
@@ -104,6 +104,8 @@ def _node_tree(node: fx.Node) -> Any:
         return meta
 
     def leaf(a: Any) -> Any:
+        if isinstance(a, fx.Node) and _is_module((a, ())):
+            return (a, ())  # a module handed to the block
         return expand(a, a.meta.get("tread_meta"), ()) if isinstance(a, fx.Node) else a
 
     mapped = fx.node.map_aggregate((node.args, node.kwargs), leaf)
@@ -127,9 +129,19 @@ def _flat_inputs(node: fx.Node, example: Any) -> list[tuple[fx.Node, tuple]] | N
             if meta.shape != tuple(theirs.shape) or meta.dtype != theirs.dtype:
                 return None
             out.append(mine)
+        elif isinstance(theirs, nn.Module) and _is_module(mine, theirs):
+            continue  # a module handed to the block (a rotary module), traced through with it
         elif _is_node_leaf(mine) or mine != theirs:
             return None
     return out
+
+
+def _is_module(leaf: Any, module: nn.Module | None = None) -> bool:
+    """Whether a node leaf is a ``get_attr`` of a module (``module`` itself when given)."""
+    if not _is_node_leaf(leaf) or leaf[0].op != "get_attr" or leaf[1]:
+        return False
+    value = _fetch(leaf[0].graph.owning_module, leaf[0].target)
+    return isinstance(value, nn.Module) and (module is None or value is module)
 
 
 def _is_node_leaf(x: Any) -> bool:
@@ -290,7 +302,7 @@ def _input_nodes(graph: fx.Graph, node: fx.Node) -> list[fx.Node]:
     values = []
     with graph.inserting_before(node):
         for leaf in leaves:
-            if not _is_node_leaf(leaf):
+            if not _is_node_leaf(leaf) or _is_module(leaf):
                 continue
             value, path = leaf
             for i in path:
@@ -303,6 +315,11 @@ def _retarget(gm: fx.GraphModule, wrapper: nn.Module, block: BlockCall, sub, tar
     """The target of a block attribute in the model's graph (constants get a new name)."""
     if target.startswith(MODEL_PREFIX):
         return f"{block.node.target}.{target[len(MODEL_PREFIX) :]}"
+    if target.startswith(ARG_MODULE_PREFIX):  # an attribute of a module handed to the block
+        name, _, rest = target.partition(".")
+        handed = getattr(sub.wrapper, name)
+        path = next(p for p, m in gm.named_modules() if m is handed)
+        return f"{path}.{rest}" if rest else path
     value = _fetch(sub.gm, target)
     i = 0
     while hasattr(wrapper, f"{_CONST_PREFIX}{i}") or hasattr(gm, f"{_CONST_PREFIX}{i}"):

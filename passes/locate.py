@@ -34,6 +34,7 @@ from tread_fx.passes.stacks import (
     forward_path,
     input_slots,
     main_input,
+    refuse_hierarchical_stages,
     resolve_block_lists,
     shown,
 )
@@ -154,6 +155,7 @@ def locate(
             # the stream's way into a later list is unclear (CaiT's class-attention blocks
             # take (tokens, cls)): the stack ends before that list
             chain = chain[: chain.index(err.list_path)]
+    refuse_hierarchical_stages(model, blocks)
     carried = {p: _carried_slots([b for b in blocks if b.list_path == p]) for p in chain}
     meta = blocks[0].stream_in.meta.get("tread_meta")
     if not isinstance(meta, TensorMeta):
@@ -245,13 +247,37 @@ def _first_stream_slot(
     pool = from_primary or list(slots)
     if following is not None and following.list_path == block.list_path:
         next_in = input_slots(following.node)
-        handed = [
-            k
-            for k in pool
-            if k in next_in and block.node in ancestors(next_in[k], block_nodes) | {next_in[k]}
-        ]
+        is_handed = lambda k: (
+            k in next_in and block.node in ancestors(next_in[k], block_nodes) | {next_in[k]}
+        )
+        handed = [k for k in pool if is_handed(k)]
+        if from_primary and not handed:
+            _refuse_latents(block, slots, from_primary, [k for k in slots if is_handed(k)])
         pool = handed or pool
     return max(pool, key=lambda k: _num_elements(slots[k]))
+
+
+def _refuse_latents(block: BlockCall, slots: dict, from_input: list, handed: list) -> None:
+    """Refuse blocks that hand on a value not computed from the model's input while the input
+    reaches them only unchanged, in every block (a perceiver's learned latents attending to
+    the input as context)."""
+    if not handed:
+        return
+    shape = lambda k: list(slots[k].meta["tread_meta"].shape)
+    raise TokenStreamError(
+        f"the blocks of {block.list_path!r} process values not computed from the input's "
+        f"tokens (learned latents?)\n{block.path} hands on {_slot_name(handed[0])} "
+        f"{shape(handed[0])} from block to block; "
+        "the model's input reaches every block unchanged as "
+        f"{_slot_name(from_input[0])} {shape(from_input[0])} (a cross-attention context, as in a"
+        " perceiver). TREAD routes the tokens of the input's stream through the blocks; there "
+        "are none here. Route a backbone whose blocks carry the input's tokens, or pass blocks= "
+        "naming such a list."
+    )
+
+
+def _slot_name(key: SlotKey) -> str:
+    return f"argument {key[1]}" if key[0] == "arg" else f"{key[1]}="
 
 
 def _num_elements(node: fx.Node) -> int:
@@ -308,6 +334,8 @@ def _assign_stream_slots(blocks: list[BlockCall], primary: fx.Node, block_nodes:
                 k for k, n in slots.items() if prev.stream_out in ancestors(n, block_nodes) | {n}
             ]
             keys = _same_form_as_first(keys, slots, blocks[0]) if len(keys) > 1 else keys
+            following = blocks[i + 1] if i + 1 < len(blocks) else None
+            keys = _handed_within(block, following, keys, block_nodes) if len(keys) > 1 else keys
             if len(keys) != 1:
                 raise _UnclearHandOff(
                     block.list_path,
@@ -326,12 +354,35 @@ def _assign_stream_slots(blocks: list[BlockCall], primary: fx.Node, block_nodes:
         block.stream_in = slots[block.in_slot]
         following = blocks[i + 1] if i + 1 < len(blocks) else None
         last_of_list = following is None or following.list_path != block.list_path
-        if last_of_list and prev is not None and prev.list_path == block.list_path:
-            block.out_slot = prev.out_slot  # the last block is called like the ones before it
-        else:
-            block.out_slot = _out_slot(block, following, block_nodes)
         outs = output_slots(block.node)
+        if last_of_list and _returns_like(block, prev, outs):
+            block.out_slot = prev.out_slot  # the last block is called like the ones before it
+        else:  # (members of several kinds: attention returns a tuple, a feed-forward a tensor)
+            block.out_slot = _out_slot(block, following, block_nodes)
         block.stream_out = block.node if block.out_slot is None else outs[block.out_slot]
+
+
+def _handed_within(
+    block: BlockCall, following: BlockCall | None, keys: list, block_nodes: set
+) -> list:
+    """Of several arguments fed by the previous list, the one the new list hands on from its
+    block to the next: a U-ViT's out blocks take ``(x, skip)``, both from the in blocks, and
+    hand ``x`` on among themselves."""
+    if following is None or following.list_path != block.list_path:
+        return keys
+    next_in = input_slots(following.node)
+    reach = lambda k: ancestors(next_in[k], block_nodes) | {next_in[k]}
+    handed = [k for k in keys if k in next_in and block.node in reach(k)]
+    return handed or keys
+
+
+def _returns_like(block: BlockCall, prev: BlockCall | None, outs: dict) -> bool:
+    """Whether ``block`` returns the stream where ``prev`` of the same list does."""
+    if prev is None or prev.list_path != block.list_path:
+        return False
+    if prev.out_slot is None:
+        return isinstance(block.node.meta.get("tread_meta"), TensorMeta)
+    return prev.out_slot in outs
 
 
 def _same_form_as_first(keys: list, slots: dict, first: BlockCall) -> list:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import sys
 from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -30,8 +31,14 @@ from typing import Any
 import torch.fx as fx
 from torch import nn
 
-from tread_fx.errors import AmbiguousBlockStackError, BlockStackNotFoundError
+from tread_fx.errors import (
+    AmbiguousBlockStackError,
+    BlockStackNotFoundError,
+    TokenStreamError,
+    shown,
+)
 from tread_fx.passes.dataflow import data_ancestors
+from tread_fx.passes.token_major import channels_last
 from tread_fx.passes.trace import MODEL_PREFIX, TensorMeta, TracedCall
 
 __all__ = [
@@ -47,17 +54,8 @@ __all__ = [
     "forward_path",
     "input_slots",
     "argument_items",
+    "refuse_hierarchical_stages",
 ]
-
-
-def shown(path: str) -> str:
-    """A container path for messages: the model itself (a top-level list) has the empty path.
-
-    Example:
-        >>> shown("blocks"), shown("")
-        ('blocks', 'the model itself')
-    """
-    return path or "the model itself"
 
 
 def candidate_stacks(model: nn.Module) -> dict[str, nn.Module]:
@@ -70,11 +68,20 @@ def candidate_stacks(model: nn.Module) -> dict[str, nn.Module]:
     found, mixed = {}, {}
     for path, module in model.named_modules():
         is_container = isinstance(module, (nn.ModuleList, nn.Sequential))
-        if is_container and len(module) >= 2 and len({type(c) for c in module}) == 1:
+        if is_container and len(module) >= 2 and len({_block_class(c) for c in module}) == 1:
             found[path] = module
         elif isinstance(module, nn.ModuleList) and len(module) >= 2:
             mixed[path] = module
     return found or mixed
+
+
+def _block_class(module: nn.Module) -> type:
+    """A member's class; a member compiled on its own (``torch.compile(block)``, dynamo's
+    ``OptimizedModule``) counts as the class it wraps."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is not None and isinstance(module, eval_frame.OptimizedModule):
+        return _block_class(module._orig_mod)
+    return type(module)
 
 
 def resolve_block_lists(
@@ -117,15 +124,23 @@ def _is_nested_member(module: nn.Module) -> bool:
 
 def block_leaf_paths(model: nn.Module, list_paths: Iterable[str]) -> set[str]:
     """Return the paths of every member of the given containers (traced as leaves); for a
-    member that is a list of sub-blocks, the paths of its sub-blocks."""
+    member that is a list of sub-blocks, the paths of its sub-blocks, entering lists nested in
+    it (``ModuleList([norms, block, residual])`` whose ``norms`` is a list again)."""
     paths = set()
     for p in list_paths:
         for name, member in model.get_submodule(p).named_children():
             path = f"{p}.{name}" if p else name
-            if _is_nested_member(member):
-                paths |= {f"{path}.{sub}" for sub, _ in member.named_children()}
-            else:
-                paths.add(path)
+            paths |= _sub_block_paths(member, path) if _is_nested_member(member) else {path}
+    return paths
+
+
+def _sub_block_paths(member: nn.Module, path: str) -> set[str]:
+    paths = set()
+    for sub, child in member.named_children():
+        if child is None:
+            continue
+        nested = isinstance(child, nn.ModuleList)
+        paths |= _sub_block_paths(child, f"{path}.{sub}") if nested else {f"{path}.{sub}"}
     return paths
 
 
@@ -137,7 +152,8 @@ def ancestors(node: fx.Node, stop: set[fx.Node]) -> set[fx.Node]:
 
 def block_calls(traced: TracedCall, list_paths: list[str]) -> dict[str, list[fx.Node]]:
     """Calls of each container's members, in order; for a member that is a list of
-    sub-blocks, its first sub-block call (the block boundary is the first call into it)."""
+    sub-blocks, its first sub-block call at any depth (the block boundary is the first call
+    into it)."""
     calls: dict[str, list[fx.Node]] = {p: [] for p in list_paths}
     entered: set[str] = set()
     for node in traced.gm.graph.nodes:
@@ -145,13 +161,26 @@ def block_calls(traced: TracedCall, list_paths: list[str]) -> dict[str, list[fx.
             continue
         target = node.target[len(MODEL_PREFIX) :]
         parent = target.rpartition(".")[0]
-        grand = parent.rpartition(".")[0]
         if parent in calls:
             calls[parent].append(node)
-        elif grand in calls and parent not in entered and parent not in calls:
-            entered.add(parent)
-            calls[grand].append(node)
+            continue
+        member = _nested_member_of(target, calls)
+        if member is None or not _is_nested_member(traced.wrapper.model.get_submodule(member)):
+            continue  # a call into a plain block's submodule from outside it (DiT's norm1.emb)
+        if member not in entered:
+            entered.add(member)
+            calls[member.rpartition(".")[0]].append(node)
     return calls
+
+
+def _nested_member_of(target: str, lists: dict) -> str | None:
+    """The member ``<list>.<i>`` of the innermost listed container that ``target`` lies in,
+    below the member itself; ``None`` when it lies in none."""
+    parts = target.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        if ".".join(parts[: cut - 1]) in lists:
+            return ".".join(parts[:cut])
+    return None
 
 
 def _valid_sequence(model: nn.Module, path: str, nodes: list[fx.Node]) -> bool:
@@ -271,12 +300,44 @@ def _chains(
         for chain in chains:
             last = calls[chain[-1]][-1]
             first = calls[path][0]
-            if order[first] > order[last] and last in ancestors(first, set()):
+            joined = order[first] > order[last] and last in ancestors(first, set())
+            if joined and _same_form(chain[-1], path, calls):
                 chain.append(path)
                 break
         else:
             chains.append([path])
     return chains
+
+
+def _same_form(before: str, after: str, calls: dict[str, list[fx.Node]]) -> bool:
+    """Whether two lists called one after the other carry one stream: the value each hands
+    from block to block has the same rank and width. A conv list on ``[B, C, H, W]`` feeding
+    a token list, or encoder blocks at width 64 feeding decoder blocks at 512 through a
+    projection, are different stacks. Unclear forms (one block, several values) join."""
+    a, b = _handed_stream([before], calls), _handed_stream([after], calls)
+    if a is None or b is None:
+        return True
+    return len(a.shape) == len(b.shape) and a.shape[-1] == b.shape[-1]
+
+
+def _form_break(chains: list[list[str]], calls: dict[str, list[fx.Node]]) -> str:
+    """``"encoder: [2, 16, 32]; decoder: [2, 16, 48]"`` when the chains (in call order)
+    carry streams of different forms; empty when they do not."""
+    metas = {p: _handed_stream([p], calls) for chain in chains for p in chain}
+    known = {p: m for p, m in metas.items() if m is not None}
+    forms = {(len(m.shape), m.shape[-1]) for m in known.values()}
+    return "; ".join(f"{p}: {list(m.shape)}" for p, m in known.items()) if len(forms) > 1 else ""
+
+
+def _feature_map(model: nn.Module, chain: list[str], calls: dict[str, list[fx.Node]]) -> bool:
+    """Whether a chain's blocks hand on a feature map (``[B, C, H, W]`` read by convolutions
+    on dim 1, or a value of rank 5 and more) rather than a token sequence."""
+    meta = _handed_stream(chain, calls)
+    if meta is None:
+        return False
+    first = model.get_submodule(calls[chain[0]][0].target[len(MODEL_PREFIX) :])
+    rank = len(meta.shape)
+    return rank > 4 or (rank == 4 and not channels_last(first, tuple(meta.shape)))
 
 
 def _hand_off_hops(chain: list[str], calls: dict[str, list[fx.Node]]) -> int:
@@ -287,6 +348,13 @@ def _hand_off_hops(chain: list[str], calls: dict[str, list[fx.Node]]) -> int:
 
 def _choose_chain(model: nn.Module, chains: list[list[str]], calls, explicit: bool) -> list[str]:
     if explicit:
+        if len(chains) > 1 and (widths := _form_break(chains, calls)):
+            raise BlockStackNotFoundError(
+                f"blocks= named {' + '.join(c for chain in chains for c in chain)}, which carry "
+                f"streams of different forms\n({widths}): one route cannot span the "
+                "change (a projection between them); name the lists of one form, e.g. "
+                f"blocks={chains[0] if len(chains[0]) > 1 else chains[0][0]!r}."
+            )
         if len(chains) != 1:
             raise BlockStackNotFoundError(
                 f"blocks= named {sorted(calls)}, but their members are not called once each, "
@@ -300,6 +368,8 @@ def _choose_chain(model: nn.Module, chains: list[list[str]], calls, explicit: bo
             f"same-class modules is called once per member in order (candidates: "
             f"{sorted(calls) or 'none'}). Pass blocks='<attribute path>' to route()."
         )
+    # a list of conv blocks around an attention encoder never beats a token list
+    chains = [c for c in chains if not _feature_map(model, c, calls)] or chains
     size = lambda chain: sum(len(calls[p]) for p in chain)
     best = max(size(c) for c in chains)
     top = [c for c in chains if size(c) == best]
@@ -398,3 +468,34 @@ def choose_stack(
 ) -> list[str]:
     """The chain of container paths that is the block stack (refuses with the reason)."""
     return _choose_chain(model, _chains(model, calls, primary), calls, explicit)
+
+
+def refuse_hierarchical_stages(model: nn.Module, blocks: list[Any]) -> None:
+    """Refuse a stack of hierarchical stages: members that hold block lists of their own and
+    hand on a stream of another shape than they take (a windowed backbone's stages merging
+    patches between them). The route belongs inside one stage; the error names its list.
+
+    Args:
+        model: The model.
+        blocks: The located ``BlockCall``s, their stream slots assigned.
+    """
+    members = [b for b in blocks if b.path.rpartition(".")[0] == b.list_path]  # not nested
+    for block in members:
+        before = block.stream_in.meta.get("tread_meta") if block.stream_in is not None else None
+        after = block.stream_out.meta.get("tread_meta") if block.stream_out is not None else None
+        if not (isinstance(before, TensorMeta) and isinstance(after, TensorMeta)):
+            continue
+        if before.shape[:-1] == after.shape[:-1]:
+            continue
+        inner = [
+            f"{b.path}.{p}" for b in members for p in candidate_stacks(model.get_submodule(b.path))
+        ]
+        if not inner:
+            return
+        raise TokenStreamError(
+            f"the blocks of {block.list_path!r} are hierarchical stages, not a stack of blocks\n"
+            f"{block.path} takes the stream as {list(before.shape)} and hands it on as "
+            f"{list(after.shape)}, and the stages hold their own block lists ({inner}); a "
+            "route cannot span stages whose token count changes. Route inside one stage, "
+            f"e.g. blocks={inner[0]!r}."
+        )

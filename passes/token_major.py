@@ -19,8 +19,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from tread_fx.errors import TokenStreamError
-from tread_fx.passes.stacks import shown
+from tread_fx.errors import TokenStreamError, shown
 from tread_fx.runtime.selection import Strategy, select_random
 
 __all__ = ["channels_last", "check_stream_rank", "GRID_ROWS", "is_token_major", "token_major_unit"]

@@ -61,7 +61,7 @@ from tread_fx.passes.trace_support import (
     user_frame,
 )
 from tread_fx.registry import leaf_functions, leaf_modules
-from tread_fx.runtime.guards import check_traced_value
+from tread_fx.runtime.guards import check_traced_length, check_traced_value
 
 __all__ = [
     "TensorMeta",
@@ -70,9 +70,11 @@ __all__ = [
     "FlatCall",
     "trace_call",
     "MODEL_PREFIX",
+    "ARG_MODULE_PREFIX",
 ]
 
 MODEL_PREFIX = "model."
+ARG_MODULE_PREFIX = "arg_module_"
 _MAX_AUTO_LEAVES = 64
 _METADATA_ATTRS = frozenset(
     {"shape", "dtype", "device", "ndim", "is_cuda", "requires_grad", "layout", "is_sparse"}
@@ -82,7 +84,9 @@ _METADATA_METHODS = frozenset(
      "element_size", "is_contiguous", "get_device", "stride"}
 )  # fmt: skip
 # read as Python values: dtype and device are part of the signature guard (torch.finfo(x.dtype))
-_CONCRETE_ATTRS = frozenset({"dtype", "device", "layout", "is_cuda", "is_sparse", "is_quantized"})
+_CONCRETE_ATTRS = frozenset(
+    {"dtype", "device", "layout", "is_cuda", "is_sparse", "is_quantized", "is_nested"}
+)
 _GUARD_KINDS = {"bool()": "bool", "int()": "int", "an index": "int", "float()": "float"}
 _DATA_METHODS = frozenset({"item", "tolist", "numpy", "__bool__", "__int__", "__float__"})
 
@@ -208,6 +212,9 @@ class FlatCall(nn.Module):
         self.model = model
         self.in_spec = in_spec
         self.const_leaves = [None if isinstance(v, torch.Tensor) else v for v in leaves]
+        for i, v in enumerate(leaves):  # a module handed in (a rotary module): traced through
+            if isinstance(v, nn.Module) and v is not model:
+                self.add_module(f"{ARG_MODULE_PREFIX}{i}", v)
         self.tensor_positions = tuple(
             i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)
         )
@@ -240,6 +247,8 @@ class ValueTracer(fx.Tracer):
         leaves = (*leaf_functions(), *functions)
         super().__init__(autowrap_functions=leaves, param_shapes_constant=False)
         self.leaf_paths = leaf_paths
+        # modules holding the blocks (an ``nn.TransformerEncoder``'s layers): traced through
+        self.holders = {p.rsplit(".", k)[0] for p in leaf_paths for k in range(1, p.count("."))}
         self.example = example
         self.values: dict[fx.Node, Any] = {}
         self.tainted: set[fx.Node] = set()
@@ -285,10 +294,16 @@ class ValueTracer(fx.Tracer):
         return value
 
     def structure(self, proxy: fx.Proxy, what: str) -> Any:
-        """Return a value whose length/iteration is needed; tensors iterate over dim 0 shape."""
+        """Return a value whose length/iteration is needed; tensors iterate over dim 0 shape.
+        A tuple/list a call on tensors returned (einops ``pack``) is unpacked by its length,
+        checked on every call (:func:`check_traced_length`); its items stay graph values."""
         value = self.value_of(proxy)
         if proxy.node in self.tainted:
-            self.concrete(proxy, what)
+            if type(value) in (tuple, list) and what in ("iteration", "len()"):
+                check = (proxy, len(value), user_frame())
+                self.create_proxy("call_function", check_traced_length, check, {})
+            else:
+                self.concrete(proxy, what)
         return value
 
     def _run(self, kind: str, target: Any, args: tuple, kwargs: dict) -> Any:
@@ -386,6 +401,8 @@ class ValueTracer(fx.Tracer):
             return True
         if has_call_hooks(m):  # FSDP2 units, checkpoint hooks: called, so the hooks still run
             return True
+        if module_qualified_name in self.holders:  # torch.nn's own too: its blocks are seen
+            return False
         return super().is_leaf_module(m, module_qualified_name)
 
     def call_module(self, m: nn.Module, forward, args: tuple, kwargs: dict) -> Any:

@@ -331,7 +331,8 @@ def trace_restoring_state(
 ) -> fx.Graph:
     """``tracer.trace(wrapper)`` under no_grad, leaving RNG state and ``model``'s buffers
     (BatchNorm statistics) as they were; Python ``random`` is refused, factories take
-    proxies, checkpointed calls are traced as plain calls."""
+    proxies, checkpointed calls are traced as plain calls, and the patches for community and
+    research code apply (:mod:`tread_fx.passes.trace_compat`)."""
     devices = sorted({t.device.index for t in tensors if t.device.type == "cuda"})
     grad_mode = torch.is_grad_enabled()
     with TRACING_LOCK:  # one trace at a time; what it patches only this thread sees
@@ -347,6 +348,8 @@ def trace_restoring_state(
 def _trace_patched(
     tracer: fx.Tracer, wrapper: nn.Module, model: nn.Module, devices: list, grad_mode: bool
 ) -> fx.Graph:
+    from tread_fx.passes.trace_compat import research_code_patches  # it imports this module
+
     with (
         torch.random.fork_rng(devices=devices),
         torch.no_grad(),
@@ -355,5 +358,6 @@ def _trace_patched(
         factories_take_proxies(tracer),
         refuse_python_random(tracer),
         checkpoint_as_plain_call(tracer, model),
+        research_code_patches(tracer, model),
     ):
         return tracer.trace(wrapper)

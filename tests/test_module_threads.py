@@ -67,6 +67,7 @@ def _bystander_sees(report: dict) -> None:
         for _ in range(50):
             report["random"].append(isinstance(random.random(), float))
             report["grad"].append(torch.is_grad_enabled() is False)
+            report["is_tensor"].append(torch.is_tensor(lin.weight) and not torch.is_tensor(1.0))
             report["rand"].append(type(torch.rand(2)) is torch.Tensor)
             report["ones"].append(torch.equal(torch.ones(2, 3), torch.full((2, 3), 1.0)))
             report["expand"].append(torch.zeros(1, 3).expand(2, 3).shape == (2, 3))
@@ -78,13 +79,14 @@ def _nothing_left_patched() -> None:
     assert "ones" in vars(torch) and not thread_patch.is_dispatcher(torch.ones)
     assert not thread_patch.is_dispatcher(random.random)
     assert not thread_patch.is_dispatcher(torch.is_grad_enabled)
+    assert not thread_patch.is_dispatcher(torch.is_tensor)  # trace_compat's patch
     assert not thread_patch.is_dispatcher(nn.Module.__call__)
     assert "expand" not in vars(torch.Tensor)  # restored to the inherited method
 
 
 def test_a_bystander_thread_sees_normal_behaviour_during_a_first_routed_call():
     model = tread_fx.route(_model(0), routes=[(1, 3)], seed=0)
-    report: dict[str, list] = {k: [] for k in ("random", "grad", "rand", "ones", "expand")}
+    report: dict[str, list] = {k: [] for k in ("random", "grad", "rand", "ones", "expand", "is_tensor")}
     report["module"], errors = [], []
 
     def bystander() -> None:
@@ -120,9 +122,11 @@ def test_two_threads_routing_two_models_at_once_both_get_correct_results():
     errors: list[BaseException] = []
     barrier = threading.Barrier(2)
 
+    models = {seed: _model(seed) for seed in (0, 1)}  # built here: init draws from global RNG
+
     def worker(seed: int) -> None:
         try:
-            model = tread_fx.route(_model(seed), routes=[(1, 3)], seed=seed)
+            model = tread_fx.route(models[seed], routes=[(1, 3)], seed=seed)
             barrier.wait(timeout=30)
             results[seed] = (model.train()(_inputs(seed)), tread_fx.route_info(model)[0].kept)
         except BaseException as err:  # noqa: BLE001 - reported below

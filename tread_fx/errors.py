@@ -19,6 +19,7 @@ from __future__ import annotations
 __all__ = [
     "FIRST_LINE",
     "short_first_line",
+    "shown",
     "TreadFxError",
     "InvalidRouteError",
     "InvalidRateError",
@@ -41,6 +42,16 @@ __all__ = [
 
 
 FIRST_LINE = 150  # characters: what a traceback's last line shows before the details
+
+
+def shown(path: str) -> str:
+    """A container path for messages: the model itself (a top-level list) has the empty path.
+
+    Example:
+        >>> shown("blocks"), shown("")
+        ('blocks', 'the model itself')
+    """
+    return path or "the model itself"
 
 
 def short_first_line(message: str, limit: int = FIRST_LINE) -> str:

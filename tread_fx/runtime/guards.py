@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.fx
 
-__all__ = ["GUARD_MARK", "check_traced_value"]
+__all__ = ["GUARD_MARK", "check_traced_value", "check_traced_length"]
 
 GUARD_MARK = "tread_fx traced-value guard"
 
@@ -72,3 +72,19 @@ def _(same: torch.Tensor, message: str) -> None:
 
 # no output: marked side-effectful so that graph compilers (dead-code elimination) keep it
 torch.fx.node.has_side_effect(torch.ops.tread_fx.check_guard.default)
+
+
+@torch.fx.node.has_side_effect
+def check_traced_length(value: Any, expected: int, where: str) -> None:
+    """Check that a tuple or list a library function returned still has ``expected`` items.
+
+    The forward unpacked it (``x, ps = pack([x], "b * d")``); the number of items was read
+    while tracing, so a call where the function returns another number must trace again.
+
+    Example:
+        >>> check_traced_length((1, [2]), 2, "model.py:5")
+    """
+    if len(value) != expected:
+        raise RuntimeError(
+            f"{GUARD_MARK}: the value unpacked at {where} has {len(value)} items, traced {expected}"
+        )

@@ -1,0 +1,126 @@
+"""Tracing patches for community and research model code (issue 29's tracing classes).
+
+Each patch is a context manager built like those in :mod:`tread_fx.passes.trace_support`
+and acts only while the value-carrying tracer runs; :func:`research_code_patches` enters them
+all (``trace_restoring_state`` does).
+
+- :func:`dynamo_wrappers_call_through`: functions and modules the model decorates with
+  ``@torch.compile`` (its ``forward``, a modulate helper, an embedder) run their original
+  Python while being traced, as dynamo itself offers (``error_on_nested_fx_trace``); the
+  routed graph is compiled as a whole as usual, and the decorators still apply in eval.
+- :func:`traced_values_are_tensors` (through ``thread_local_patch``: only the tracing thread
+  sees it): ``torch.is_tensor(v)`` and ``isinstance(v, torch.Tensor)``
+  in the model's own code hold for a traced value that stands for a tensor, so a time
+  embedding takes the branch it takes eagerly.
+
+Example:
+    >>> import torch
+    >>> from tread_fx.passes.trace import trace_call
+    >>> class Embed(torch.nn.Module):
+    ...     def forward(self, t):
+    ...         return t if torch.is_tensor(t) else torch.tensor([t])
+    >>> traced = trace_call(Embed(), (torch.ones(2),), {}, leaf_paths=set())
+    >>> [n.op for n in traced.gm.graph.nodes]
+    ['placeholder', 'output']
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from tread_fx.passes import thread_patch
+from tread_fx.passes.thread_patch import thread_local_patch
+from tread_fx.passes.trace_support import module_namespaces
+
+__all__ = ["research_code_patches", "dynamo_wrappers_call_through", "traced_values_are_tensors"]
+
+_builtin_isinstance = builtins.isinstance
+
+
+@contextlib.contextmanager
+def research_code_patches(tracer: Any, model: nn.Module) -> Iterator[None]:
+    """Enter every patch of this module for one trace of ``model``."""
+    with dynamo_wrappers_call_through(), traced_values_are_tensors(tracer, model):
+        yield
+
+
+@contextlib.contextmanager
+def dynamo_wrappers_call_through() -> Iterator[None]:
+    """Let functions and modules optimized by ``torch.compile`` run their original code.
+
+    A dynamo-optimized function called while fx traces raises "Detected that you are using FX
+    to symbolically trace a dynamo-optimized function" unless dynamo's
+    ``error_on_nested_fx_trace`` is off; then it calls the function it wraps
+    (``_torchdynamo_orig_callable``), so the trace records the original operations. Nothing
+    is compiled while tracing. Without ``torch._dynamo`` imported nothing can be optimized.
+    """
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is None:
+        yield
+        return
+    with dynamo.config.patch(error_on_nested_fx_trace=False):
+        yield
+
+
+def _is_model_frame(depth: int) -> bool:
+    """Whether the caller ``depth`` frames up, past the patch dispatcher, is outside torch
+    (torch's own code keeps seeing proxies as proxies)."""
+    frame = sys._getframe(depth + 1)
+    while frame is not None and frame.f_globals.get("__name__") == thread_patch.__name__:
+        frame = frame.f_back
+    name = frame.f_globals.get("__name__", "") if frame is not None else ""
+    return not (name == "torch" or name.startswith("torch."))
+
+
+@contextlib.contextmanager
+def traced_values_are_tensors(tracer: Any, model: nn.Module) -> Iterator[None]:
+    """Make ``torch.is_tensor`` and ``isinstance(v, torch.Tensor)`` true for traced tensors.
+
+    A proxy is no ``torch.Tensor``, so model code such as
+    ``if not torch.is_tensor(t): t = torch.tensor([t])`` would take the branch it never takes
+    eagerly. While tracing, ``torch.is_tensor`` (and the name imported from torch) answers by
+    the value a proxy stands for when called from outside torch, and the model's Python modules
+    see an ``isinstance`` that does the same for tensors (other checks are unchanged).
+    """
+
+    def stands_for_tensor(obj: Any) -> bool:
+        if not _builtin_isinstance(obj, fx.Proxy) or obj.tracer is not tracer:
+            return False
+        return _builtin_isinstance(tracer.value_of(obj), torch.Tensor)
+
+    original_is_tensor = torch.is_tensor
+
+    def is_tensor(obj: Any) -> bool:
+        if stands_for_tensor(obj) and _is_model_frame(1):
+            return True
+        return original_is_tensor(obj)
+
+    def traced_isinstance(obj: Any, classinfo: Any) -> bool:
+        if _builtin_isinstance(obj, classinfo):
+            return True
+        if stands_for_tensor(obj):
+            return _builtin_isinstance(tracer.value_of(obj), classinfo)
+        return False
+
+    namespaces = {
+        id(ns): ns
+        for ns in module_namespaces(model)
+        if not str(ns.get("__name__", "")).startswith(("torch.", "tread_fx."))
+    }.values()
+    imported = [(ns, k) for ns in namespaces for k, v in ns.items() if v is original_is_tensor]
+    shadowed = [ns for ns in namespaces if "isinstance" not in ns]
+    with contextlib.ExitStack() as patches:  # seen by the tracing thread only
+        patches.enter_context(thread_local_patch(torch, "is_tensor", lambda _: is_tensor))
+        for ns, key in imported:  # `from torch import is_tensor`
+            patches.enter_context(thread_local_patch(ns, key, lambda _: is_tensor))
+        for ns in shadowed:
+            patches.enter_context(thread_local_patch(ns, "isinstance", lambda _: traced_isinstance))
+        yield
