@@ -35,6 +35,7 @@ __all__ = [
     "ModelSpecError",
     "ExampleInputError",
     "GraphvizNotFoundError",
+    "StreamChoiceWarning",
 ]
 
 
@@ -108,3 +109,7 @@ class ExampleInputError(TreadFxError, ValueError):
 
 class GraphvizNotFoundError(TreadFxError, RuntimeError):
     """Rendering SVG needs Graphviz's ``dot`` program, which is not installed."""
+
+
+class StreamChoiceWarning(UserWarning):
+    """Several streams could be routed and a documented rule chose one (``stream=`` picks)."""

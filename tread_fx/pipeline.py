@@ -28,7 +28,7 @@ from torch import nn
 
 from tread_fx.adapters.token_tables import take_rows
 from tread_fx.config import RoutingConfig
-from tread_fx.errors import SelectionError, SideInputError, TokenStreamError
+from tread_fx.errors import SelectionError, SideInputError, StreamChoiceWarning, TokenStreamError
 from tread_fx.passes.forms import cut_at_route_ends, form_changes, locate_tokens, needs_split
 from tread_fx.passes.inline_tables import (
     InlineBlock,
@@ -36,9 +36,10 @@ from tread_fx.passes.inline_tables import (
     find_token_tables,
     inline_token_tables,
 )
-from tread_fx.passes.locate import StreamInfo, block_leaf_paths, locate, resolve_block_lists
+from tread_fx.passes.locate import StreamInfo, block_leaf_paths, resolve_block_lists
 from tread_fx.passes.plan import Crossing, RoutePlan, graph_to_networkx, plan_route
 from tread_fx.passes.rewrite import append_route_outputs, rewrite_route
+from tread_fx.passes.stream_choice import choose_stream
 from tread_fx.passes.streams import check_no_token_tables_inside, grid_in_block_arguments
 from tread_fx.passes.token_major import GRID_ROWS, is_token_major
 from tread_fx.passes.trace import TracedCall, trace_call
@@ -255,7 +256,10 @@ def build(model: nn.Module, args: tuple, kwargs: dict, config: RoutingConfig) ->
     if list_paths is None:
         list_paths = resolve_block_lists(model, config.blocks)
     traced = trace_call(model, args, kwargs, block_leaf_paths(model, list_paths))
-    info = locate(traced, model, list_paths, config.blocks is not None, config.keep_prefix)
+    explicit = config.blocks is not None
+    info = choose_stream(traced, model, list_paths, explicit, config.keep_prefix, config.stream)
+    if info.choice is not None and info.choice.guessed:
+        warnings.warn(info.choice.message(), StreamChoiceWarning, stacklevel=4)
     routes = config.routes_for(info.depth)
     splits = _split_routes(traced, info, routes, args, kwargs)
     if is_token_major(info.stream_meta.shape):  # whole dim-1 slices: rows of a grid
