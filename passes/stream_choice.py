@@ -64,12 +64,13 @@ class StreamChoice:
     others: list[str] = field(default_factory=list)
 
     def message(self) -> str:
-        """The warning text: candidates, choice, reason and the option that picks another."""
+        """The warning text: the choice and the option first, then candidates and reason."""
         others = " or ".join(f"stream={o}" for o in self.others) or "stream=<forward argument>"
         return (
-            f"several streams could be routed: {'; '.join(self.candidates)}. Routing "
-            f"{self.chosen} ({self.reason}). Pass {others} to route() to route another "
-            f"(or stream={self.option} to keep this choice and silence this warning)."
+            f"several streams could be routed; a rule chose input {self.option}: pass "
+            f"{others} to route another, stream={self.option} to keep this one.\n"
+            f"  routed: {self.chosen}\n  because: {self.reason}\n"
+            f"  candidates: {'; '.join(self.candidates)}"
         )
 
 
