@@ -36,6 +36,7 @@ __all__ = [
     "ExampleInputError",
     "GraphvizNotFoundError",
     "StreamChoiceWarning",
+    "TreadFxInternalError",
 ]
 
 
@@ -113,3 +114,18 @@ class GraphvizNotFoundError(TreadFxError, RuntimeError):
 
 class StreamChoiceWarning(UserWarning):
     """Several streams could be routed and a documented rule chose one (``stream=`` picks)."""
+
+
+class TreadFxInternalError(TreadFxError, RuntimeError):
+    """tread_fx's own code failed in a pass (a bug to report); the original is ``__cause__``.
+
+    Attributes:
+        stage: The pass that failed (``"tracing"``, ``"locating"``, ``"planning"``,
+            ``"rewriting"``).
+        block: The block being processed, if known.
+        where: The model's ``file:line`` being processed, if known.
+    """
+
+    def __init__(self, message: str, stage: str = "", block: str | None = None, where: str = ""):
+        super().__init__(message)
+        self.stage, self.block, self.where = stage, block, where

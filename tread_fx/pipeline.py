@@ -45,6 +45,7 @@ from tread_fx.passes.token_major import GRID_ROWS, is_token_major
 from tread_fx.passes.trace import TracedCall, trace_call
 from tread_fx.routes import Route
 from tread_fx.runtime.selection import get_strategy
+from tread_fx.stages import stage
 
 __all__ = ["Built", "build", "find_grid"]
 
@@ -239,6 +240,23 @@ def _share_across_folded_rows(plan: RoutePlan, info: StreamInfo, share: bool | N
     _require_shared(plan, share, refusal)
 
 
+def _plan_and_rewrite(traced, info, config, indexed, changes, how) -> tuple:
+    """Plan one route and rewrite the graph for it: ``(plan, kept ids node, inlined)``."""
+    (i, route), (strategy, grid, embedded) = indexed, how
+    if changes is not None:
+        build_args = (strategy, grid, config, embedded, traced.wrapper)
+        plan, kept = _plan_split(traced.gm, info, route, i, changes, build_args)
+        return plan, kept, []
+    plan = plan_route(traced.gm, info, route, i, strategy, grid, config.strict)
+    _apply_share_selection(plan, config.share_selection)
+    found = _token_tables(traced, info, plan, config.share_selection)
+    _share_across_folded_rows(plan, info, config.share_selection)
+    kept = rewrite_route(traced.gm, plan, strategy, config.reinsert, embedded)
+    if config.fp32_reentry and plan.end_block is not None:
+        plan.end_block.node.meta["tread_fp32"] = True
+    return plan, kept, found
+
+
 def build(model: nn.Module, args: tuple, kwargs: dict, config: RoutingConfig) -> Built:
     """Trace ``model(*args, **kwargs)`` and rewrite it with the configured routes.
 
@@ -252,41 +270,40 @@ def build(model: nn.Module, args: tuple, kwargs: dict, config: RoutingConfig) ->
         A :class:`Built` whose GraphModule takes the call's tensors followed by one noise
         tensor per route and returns the model's flat outputs followed by the kept ids.
     """
+    focus: dict = {"model": model}
     list_paths = config.block_lists
     if list_paths is None:
         list_paths = resolve_block_lists(model, config.blocks)
-    traced = trace_call(model, args, kwargs, block_leaf_paths(model, list_paths))
-    explicit = config.blocks is not None
-    info = choose_stream(traced, model, list_paths, explicit, config.keep_prefix, config.stream)
+    with stage("tracing", lambda: focus):
+        traced = trace_call(model, args, kwargs, block_leaf_paths(model, list_paths))
+    with stage("locating the block stack and the token stream", lambda: focus):
+        explicit = config.blocks is not None
+        info = choose_stream(traced, model, list_paths, explicit, config.keep_prefix, config.stream)
     if info.choice is not None and info.choice.guessed:
         warnings.warn(info.choice.message(), StreamChoiceWarning, stacklevel=4)
     routes = config.routes_for(info.depth)
-    splits = _split_routes(traced, info, routes, args, kwargs)
-    if is_token_major(info.stream_meta.shape):  # whole dim-1 slices: rows of a grid
-        grid, strategy = None, GRID_ROWS
-    else:
-        grid = _grid_for(model, config, info)
-        strategy = _resolve_auto(traced, info, routes, config, grid, splits)
+    with stage("planning", lambda: focus):
+        splits = _split_routes(traced, info, routes, args, kwargs)
+        if is_token_major(info.stream_meta.shape):  # whole dim-1 slices: rows of a grid
+            grid, strategy = None, GRID_ROWS
+        else:
+            grid = _grid_for(model, config, info)
+            strategy = _resolve_auto(traced, info, routes, config, grid, splits)
     embedded = info.blocks[0].stream_in
     plans, idx_nodes, inlined = [], [], []
     for i, route in enumerate(routes):
-        if i in splits:
-            build_args = (strategy, grid, config, embedded, traced.wrapper)
-            plan, kept = _plan_split(traced.gm, info, route, i, splits[i], build_args)
-            plans.append(plan)
-            idx_nodes.append(kept)
-            inlined.append([])
-            continue
-        plan = plan_route(traced.gm, info, route, i, strategy, grid, config.strict)
-        _apply_share_selection(plan, config.share_selection)
-        inlined.append(_token_tables(traced, info, plan, config.share_selection))
-        _share_across_folded_rows(plan, info, config.share_selection)
-        idx_nodes.append(rewrite_route(traced.gm, plan, strategy, config.reinsert, embedded))
+        block = info.blocks[route.start]
+        focus.update(block=block.path, module=model.get_submodule(block.path))
+        with stage(f"planning and rewriting route ({route.start}, {route.end})", lambda: focus):
+            plan, kept, found = _plan_and_rewrite(
+                traced, info, config, (i, route), splits.get(i), (strategy, grid, embedded)
+            )
         plans.append(plan)
-        if config.fp32_reentry and plan.end_block is not None:
-            plan.end_block.node.meta["tread_fp32"] = True
-    for plan, idx, found in zip(plans, idx_nodes, inlined):
-        _inline(traced, plan, idx, found)
-    drop_examples(traced.gm)
-    num_outputs = append_route_outputs(traced.gm, idx_nodes)
+        idx_nodes.append(kept)
+        inlined.append(found)
+    with stage("rewriting", lambda: focus):
+        for plan, idx, found in zip(plans, idx_nodes, inlined):
+            _inline(traced, plan, idx, found)
+        drop_examples(traced.gm)
+        num_outputs = append_route_outputs(traced.gm, idx_nodes)
     return Built(traced, info, routes, plans, num_outputs, strategy.name)
