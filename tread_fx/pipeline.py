@@ -149,7 +149,7 @@ def _plan_split(gm, info, route: Route, index: int, changes: list, build_args) -
     return first, kept
 
 
-def _resolve_auto(traced, info: StreamInfo, routes: list[Route], config, grid, splits: dict):
+def _resolve_auto(traced, info: StreamInfo, routes: list[Route], config, grid, splits, focus):
     """The strategy to use: ``selection="auto"`` becomes ``"random"``, or ``"rows"`` when a
     routed block reshapes its tokens to the patch grid (random tokens make no grid)."""
     if config.strategy.name != "auto":
@@ -157,6 +157,7 @@ def _resolve_auto(traced, info: StreamInfo, routes: list[Route], config, grid, s
     random = get_strategy("random")
     try:
         for i, route in enumerate(routes):
+            _focus_on(focus, info, route)
             piece = _first_piece(route, splits.get(i))
             plan_route(traced.gm, info, piece, i, random, grid, config.strict)
     except SelectionError:
@@ -240,18 +241,28 @@ def _share_across_folded_rows(plan: RoutePlan, info: StreamInfo, share: bool | N
     _require_shared(plan, share, refusal)
 
 
+def _focus_on(focus: dict, info: StreamInfo, route: Route) -> None:
+    """Name the route and its first block as what the stage works on (for internal errors)."""
+    block = info.blocks[route.start]
+    module = focus["model"].get_submodule(block.path)
+    focus.update(block=block.path, module=module, route=(route.start, route.end))
+
+
 def _plan_and_rewrite(traced, info, config, indexed, changes, how) -> tuple:
     """Plan one route and rewrite the graph for it: ``(plan, kept ids node, inlined)``."""
-    (i, route), (strategy, grid, embedded) = indexed, how
+    (i, route), (strategy, grid, embedded, focus) = indexed, how
     if changes is not None:
         build_args = (strategy, grid, config, embedded, traced.wrapper)
-        plan, kept = _plan_split(traced.gm, info, route, i, changes, build_args)
+        with stage("planning and rewriting", lambda: focus):
+            plan, kept = _plan_split(traced.gm, info, route, i, changes, build_args)
         return plan, kept, []
-    plan = plan_route(traced.gm, info, route, i, strategy, grid, config.strict)
-    _apply_share_selection(plan, config.share_selection)
-    found = _token_tables(traced, info, plan, config.share_selection)
-    _share_across_folded_rows(plan, info, config.share_selection)
-    kept = rewrite_route(traced.gm, plan, strategy, config.reinsert, embedded)
+    with stage("planning", lambda: focus):
+        plan = plan_route(traced.gm, info, route, i, strategy, grid, config.strict)
+        _apply_share_selection(plan, config.share_selection)
+        found = _token_tables(traced, info, plan, config.share_selection)
+        _share_across_folded_rows(plan, info, config.share_selection)
+    with stage("rewriting", lambda: focus):
+        kept = rewrite_route(traced.gm, plan, strategy, config.reinsert, embedded)
     if config.fp32_reentry and plan.end_block is not None:
         plan.end_block.node.meta["tread_fp32"] = True
     return plan, kept, found
@@ -276,31 +287,30 @@ def build(model: nn.Module, args: tuple, kwargs: dict, config: RoutingConfig) ->
         list_paths = resolve_block_lists(model, config.blocks)
     with stage("tracing", lambda: focus):
         traced = trace_call(model, args, kwargs, block_leaf_paths(model, list_paths))
-    with stage("locating the block stack and the token stream", lambda: focus):
+    with stage("locating", lambda: focus):
         explicit = config.blocks is not None
         info = choose_stream(traced, model, list_paths, explicit, config.keep_prefix, config.stream)
     if info.choice is not None and info.choice.guessed:
         warnings.warn(info.choice.message(), StreamChoiceWarning, stacklevel=4)
     routes = config.routes_for(info.depth)
-    with stage("planning", lambda: focus):
+    with stage("planning", lambda: focus):  # the selection for all routes
         splits = _split_routes(traced, info, routes, args, kwargs)
         if is_token_major(info.stream_meta.shape):  # whole dim-1 slices: rows of a grid
             grid, strategy = None, GRID_ROWS
         else:
             grid = _grid_for(model, config, info)
-            strategy = _resolve_auto(traced, info, routes, config, grid, splits)
+            strategy = _resolve_auto(traced, info, routes, config, grid, splits, focus)
     embedded = info.blocks[0].stream_in
     plans, idx_nodes, inlined = [], [], []
     for i, route in enumerate(routes):
-        block = info.blocks[route.start]
-        focus.update(block=block.path, module=model.get_submodule(block.path))
-        with stage(f"planning and rewriting route ({route.start}, {route.end})", lambda: focus):
-            plan, kept, found = _plan_and_rewrite(
-                traced, info, config, (i, route), splits.get(i), (strategy, grid, embedded)
-            )
+        _focus_on(focus, info, route)
+        plan, kept, found = _plan_and_rewrite(
+            traced, info, config, (i, route), splits.get(i), (strategy, grid, embedded, focus)
+        )
         plans.append(plan)
         idx_nodes.append(kept)
         inlined.append(found)
+    focus.pop("route", None)
     with stage("rewriting", lambda: focus):
         for plan, idx, found in zip(plans, idx_nodes, inlined):
             _inline(traced, plan, idx, found)

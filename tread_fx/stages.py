@@ -86,8 +86,8 @@ def stage(name: str, focus: Callable[[], dict[str, Any]]) -> Iterator[None]:
     Args:
         name: The stage, as a verb phrase (``"tracing"``, ``"locating"``, ``"planning"``,
             ``"rewriting"``).
-        focus: Called on failure: ``{"block": path, "module": nn.Module, "model": model}``
-            (any may be missing), what the stage was working on.
+        focus: Called on failure: ``{"block": path, "module": nn.Module, "model": model,
+            "route": (start, end)}`` (any may be missing), what the stage was working on.
 
     Raises:
         TreadFxInternalError: tread_fx's own code raised (the original as ``__cause__``).
@@ -104,16 +104,17 @@ def _internal(name: str, focus: dict[str, Any], err: BaseException) -> TreadFxIn
     block = focus.get("block")
     where = _model_frame(err) or source_line(focus.get("module") or focus.get("model"))
     model = focus.get("model")
-    parts = [f"block {block}" if block else "", where]
-    context = ", ".join(p for p in parts if p)
-    first = str(err).strip().splitlines()[0][:80] if str(err).strip() else ""
+    detail = str(err).strip().splitlines()[0][:300] if str(err).strip() else ""
     return TreadFxInternalError(
         f"internal error in tread_fx while {name}"
-        + (f" ({context})" if context else "")
-        + f": {type(err).__name__}: {first}\n"
-        f"This is a bug in tread_fx, not in {type(model).__name__ if model else 'your model'}: "
+        + (f" route {focus['route']}" if focus.get("route") else "")
+        + (f" at block {block}" if block else "")
+        + f": {type(err).__name__}\n"
+        + (f"  {detail}\n" if detail else "")
+        + (f"  model code being processed: {where}\n" if where else "")
+        + f"This is a bug in tread_fx, not in {type(model).__name__ if model else 'your model'}: "
         "please report it with this message, the traceback and the model's code (or a small "
-        f"model that shows it); tread_fx {getattr(tread_fx, '__version__', '')}.",
+        "model that shows it).",
         stage=name,
         block=block,
         where=where,
