@@ -37,6 +37,7 @@ __all__ = [
     "GraphvizNotFoundError",
     "StreamChoiceWarning",
     "TreadFxInternalError",
+    "ThinRouteWarning",
 ]
 
 
@@ -114,6 +115,10 @@ class GraphvizNotFoundError(TreadFxError, RuntimeError):
 
 class StreamChoiceWarning(UserWarning):
     """Several streams could be routed and a documented rule chose one (``stream=`` picks)."""
+
+
+class ThinRouteWarning(UserWarning):
+    """The routes span under half of the blocks the token stream flows through."""
 
 
 class TreadFxInternalError(TreadFxError, RuntimeError):

@@ -28,7 +28,13 @@ from torch import nn
 
 from tread_fx.adapters.token_tables import take_rows
 from tread_fx.config import RoutingConfig
-from tread_fx.errors import SelectionError, SideInputError, StreamChoiceWarning, TokenStreamError
+from tread_fx.errors import (
+    SelectionError,
+    SideInputError,
+    StreamChoiceWarning,
+    ThinRouteWarning,
+    TokenStreamError,
+)
 from tread_fx.passes.forms import cut_at_route_ends, form_changes, locate_tokens, needs_split
 from tread_fx.passes.inline_tables import (
     InlineBlock,
@@ -41,6 +47,7 @@ from tread_fx.passes.plan import Crossing, RoutePlan, graph_to_networkx, plan_ro
 from tread_fx.passes.rewrite import append_route_outputs, rewrite_route
 from tread_fx.passes.stream_choice import choose_stream
 from tread_fx.passes.streams import check_no_token_tables_inside, grid_in_block_arguments
+from tread_fx.passes.thin_routes import thin_stack
 from tread_fx.passes.token_major import GRID_ROWS, is_token_major
 from tread_fx.passes.trace import TracedCall, trace_call
 from tread_fx.routes import Route
@@ -290,8 +297,11 @@ def build(model: nn.Module, args: tuple, kwargs: dict, config: RoutingConfig) ->
     with stage("locating", lambda: focus):
         explicit = config.blocks is not None
         info = choose_stream(traced, model, list_paths, explicit, config.keep_prefix, config.stream)
+        thin = None if explicit else thin_stack(traced, model, info, list_paths, config.keep_prefix)
     if info.choice is not None and info.choice.guessed:
         warnings.warn(info.choice.message(), StreamChoiceWarning, stacklevel=4)
+    if thin is not None:
+        warnings.warn(thin, ThinRouteWarning, stacklevel=4)
     routes = config.routes_for(info.depth)
     with stage("planning", lambda: focus):  # the selection for all routes
         splits = _split_routes(traced, info, routes, args, kwargs)
