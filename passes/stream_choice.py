@@ -19,7 +19,8 @@ most; the image outnumbers the text in every population measured), then the inpu
 like the first output, then the first in the forward's order; and the choice is reported
 (:class:`StreamChoice`, a :class:`~tread_fx.errors.StreamChoiceWarning` at the first routed
 call, ``explain``). ``route(..., stream=...)`` names the input instead. No name decides:
-names are shown only.
+names are shown only. A stream whose image positions a per-token mask computed from data
+decides (:mod:`tread_fx.passes.role_masks`) is refused.
 
 Example:
     >>> # used by tread_fx.pipeline.build: info = choose_stream(traced, model, paths, ...)
@@ -36,6 +37,7 @@ from torch import nn
 from tread_fx.errors import TokenStreamError, TreadFxError
 from tread_fx.passes.locate import StreamInfo, locate
 from tread_fx.passes.positions import Span, reaches_output
+from tread_fx.passes.role_masks import role_mask
 from tread_fx.passes.stacks import ancestors, block_calls, input_slots, main_input
 from tread_fx.passes.trace import TensorMeta, TracedCall
 
@@ -163,12 +165,13 @@ def _candidates(graph: fx.Graph, calls: dict) -> list[fx.Node]:
     return [first, *(n for n in inputs if n is not first)]
 
 
-def _hands_on(info: StreamInfo) -> bool:
-    """The candidate's stream is fed by its input and handed from block to block."""
+def _hands_on(info: StreamInfo, block_nodes: set[fx.Node]) -> bool:
+    """The candidate's stream is fed by its input directly (not only through other blocks:
+    position ids feed every block's RoPE table, so a later list's stream descends from
+    them through the earlier blocks) and handed from block to block."""
     first = info.blocks[0]
-    if first.stream_in is not info.primary and info.primary not in ancestors(
-        first.stream_in, set()
-    ):
+    direct = ancestors(first.stream_in, block_nodes)
+    if first.stream_in is not info.primary and info.primary not in direct:
         return False
     if info.depth < 2:
         return True
@@ -247,8 +250,9 @@ def choose_stream(
         info.choice = StreamChoice(
             _describe(model, info), f"stream={stream!r} was given", option=repr(stream)
         )
-        return info
+        return _refuse_role_masks(model, info)
     calls = block_calls(traced, list_paths)
+    block_nodes = {n for nodes in calls.values() for n in nodes}
     found: dict[tuple, StreamInfo] = {}
     for i, primary in enumerate(_candidates(traced.gm.graph, calls)):
         try:
@@ -257,11 +261,24 @@ def choose_stream(
             if i == 0:  # the shape-matched input's refusal stands
                 raise
             continue
-        if i == 0 or _hands_on(info):
+        if i == 0 or _hands_on(info, block_nodes):
             found.setdefault(_key(info), info)
     infos = list(found.values())
     reaching = [info for info in infos if _reaches(info)] or infos[:1]
-    return _decide(model, infos, reaching)
+    return _refuse_role_masks(model, _decide(model, infos, reaching))
+
+
+def _refuse_role_masks(model: nn.Module, info: StreamInfo) -> StreamInfo:
+    """Refuse a stream whose image positions a per-token mask computed from data decides."""
+    why = role_mask(info)
+    if why is not None:
+        raise TokenStreamError(
+            f"{type(model).__name__}: which stream positions are the noisy input's is decided "
+            f"by data, not by the graph.\n{why}. tread_fx routes by position and cannot "
+            "follow such a mask yet; route a model that builds its joint stream by "
+            "concatenation, or pass blocks= naming a stack that sees only image tokens."
+        )
+    return info
 
 
 def _decide(model: nn.Module, infos: list[StreamInfo], reaching: list[StreamInfo]) -> StreamInfo:

@@ -6,7 +6,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["B", "N", "T", "D", "JointInputs", "TwoOutputs", "joint_inputs", "two_inputs"]
+__all__ = [
+    "B", "N", "T", "D", "JointInputs", "TwoOutputs", "IdsFluxLike", "RolePacked",
+    "joint_inputs", "two_inputs", "ids_inputs", "role_inputs",
+]  # fmt: skip
 
 B, N, T, D = 2, 16, 5, 32
 
@@ -79,3 +82,91 @@ def joint_inputs():
 def two_inputs():
     gen = torch.Generator().manual_seed(4)
     return (torch.randn(B, N, 4, generator=gen), torch.randn(B, T, 8, generator=gen)), {}
+
+
+class RopeBlock(nn.Module):
+    """A block that adds a per-position table (computed from position ids) to its stream."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = nn.Linear(D, D)
+
+    def forward(self, h: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        return h + self.mlp(h + table)
+
+
+class JointRopeBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(D, 2, batch_first=True)
+        self.text_mlp, self.image_mlp = nn.Linear(D, D), nn.Linear(D, D)
+
+    def forward(self, text, image, table):
+        both = torch.cat([text, image], dim=1) + table
+        mixed = self.attn(both, both, both, need_weights=False)[0]
+        n = text.shape[1]
+        return text + self.text_mlp(mixed[:, :n]), image + self.image_mlp(mixed[:, n:])
+
+
+class IdsFluxLike(nn.Module):
+    """Joint blocks then single blocks over ``[text | image]``; an ids input feeds every
+    block's table, so the single blocks' (longer) stream descends from it too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.x_in, self.c_in, self.ids_in = nn.Linear(4, D), nn.Linear(8, D), nn.Linear(2, D)
+        self.joint = nn.ModuleList(JointRopeBlock() for _ in range(2))
+        self.single = nn.ModuleList(RopeBlock() for _ in range(3))
+        self.out = nn.Linear(D, 4)
+
+    def forward(self, x, context, ids):
+        image, text, table = self.x_in(x), self.c_in(context), self.ids_in(ids)
+        for block in self.joint:
+            text, image = block(text, image, table)
+        h = torch.cat([text, image], dim=1)
+        for block in self.single:
+            h = block(h, table)
+        return self.out(h[:, text.shape[1] :])
+
+
+def ids_inputs():
+    gen = torch.Generator().manual_seed(6)
+    x, context = torch.randn(B, N, 4, generator=gen), torch.randn(B, T, 8, generator=gen)
+    return (x, context, torch.randn(B, 1, 2, generator=gen)), {}  # one table row per sample
+
+
+class RolePacked(nn.Module):
+    """Text and image packed into one sequence, each position's role given by data:
+    ``by="mask"`` multiplies by ``indicator == 1`` masks, ``by="index"`` writes with
+    ``index_copy`` at given positions; ``by="padding"`` only zeroes padded image tokens."""
+
+    def __init__(self, by: str) -> None:
+        super().__init__()
+        self.by = by
+        self.x_in, self.c_in = nn.Linear(4, D), nn.Linear(8, D)
+        self.blocks = nn.ModuleList(SelfBlock() for _ in range(4))
+        self.out = nn.Linear(D, 4)
+
+    def forward(self, x, context, indicator):
+        if self.by == "index":
+            image_at, text_at = indicator[0], indicator[1]
+            h = x.new_zeros(x.shape[0], N + T, D)
+            h = h.index_copy(1, image_at, self.x_in(x)).index_copy(1, text_at, self.c_in(context))
+        else:
+            image_mask = (indicator == 1).to(x.dtype).unsqueeze(-1)
+            h = self.x_in(x) * image_mask
+            if self.by == "mask":
+                h = h + self.c_in(context) * (1 - image_mask)
+        for block in self.blocks:
+            h = block(h)
+        return self.out(h)
+
+
+def role_inputs(by: str):
+    gen = torch.Generator().manual_seed(8)
+    if by == "index":
+        x, context = torch.randn(B, N, 4, generator=gen), torch.randn(B, T, 8, generator=gen)
+        order = torch.randperm(N + T, generator=gen)
+        return (x, context, [order[:N], order[N:]]), {}
+    x, context = torch.randn(B, N, 4, generator=gen), torch.randn(B, N, 8, generator=gen)
+    return (x, context, (torch.rand(B, N, generator=gen) < 0.7).long()), {}

@@ -18,7 +18,19 @@ from __future__ import annotations
 import warnings
 
 import pytest
-from stream_models import B, JointInputs, N, T, TwoOutputs, joint_inputs, two_inputs
+from stream_models import (
+    B,
+    IdsFluxLike,
+    JointInputs,
+    N,
+    RolePacked,
+    T,
+    TwoOutputs,
+    ids_inputs,
+    joint_inputs,
+    role_inputs,
+    two_inputs,
+)
 from third_party_checks import INVARIANTS, Case
 
 import tread_fx
@@ -84,3 +96,25 @@ def test_explain_shows_the_choice_and_the_option():
 @pytest.mark.parametrize("case", [JOINT, TWO], ids=lambda c: c.name)
 def test_invariants(case, check):
     check(case)
+
+
+def test_position_ids_feeding_every_block_are_not_a_stream():
+    """The single blocks' longer stream descends from the ids only through earlier blocks."""
+    info, warned = _route_and_call(IdsFluxLike(), ids_inputs)
+    assert info.num_tokens == N and not warned
+    model = tread_fx.route(IdsFluxLike(), [(1, 3)], 0.5)
+    model.train()(*ids_inputs()[0])
+    assert tread_fx.routed_graphs(model)[0].info.list_paths == ["joint", "single"]
+
+
+@pytest.mark.parametrize("by", ["mask", "index"])
+def test_a_stream_whose_roles_data_decides_is_refused(by):
+    model = tread_fx.route(RolePacked(by), [(1, 3)], 0.5)
+    with pytest.raises(TokenStreamError, match="decided by data") as caught:
+        model.train()(*role_inputs(by)[0])
+    assert len(str(caught.value).splitlines()[0]) <= 150
+
+
+def test_a_padding_mask_alone_still_routes():
+    info, warned = _route_and_call(RolePacked("padding"), lambda: role_inputs("padding"))
+    assert info.num_tokens == N and not warned
