@@ -8,7 +8,7 @@ from torch import nn
 
 __all__ = [
     "B", "N", "T", "D", "JointInputs", "TwoOutputs", "IdsFluxLike", "RolePacked",
-    "joint_inputs", "two_inputs", "ids_inputs", "role_inputs",
+    "LateClassToken", "joint_inputs", "two_inputs", "ids_inputs", "role_inputs",
 ]  # fmt: skip
 
 B, N, T, D = 2, 16, 5, 32
@@ -170,3 +170,24 @@ def role_inputs(by: str):
         return (x, context, [order[:N], order[N:]]), {}
     x, context = torch.randn(B, N, 4, generator=gen), torch.randn(B, N, 8, generator=gen)
     return (x, context, (torch.rand(B, N, generator=gen) < 0.7).long()), {}
+
+
+class LateClassToken(nn.Module):
+    """Declares ``num_prefix_tokens = 1`` (as timm's CaiT and ConViT do) but concatenates the
+    class token only after its blocks, before a head block: the blocks' stream has none."""
+
+    num_prefix_tokens = 1
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.x_in = nn.Linear(4, D)
+        self.cls = nn.Parameter(torch.randn(1, 1, D))
+        self.blocks = nn.ModuleList(SelfBlock() for _ in range(4))
+        self.head_block, self.out = SelfBlock(), nn.Linear(D, 4)
+
+    def forward(self, x):
+        h = self.x_in(x)
+        for block in self.blocks:
+            h = block(h)
+        h = self.head_block(torch.cat([self.cls.expand(h.shape[0], -1, -1), h], dim=1))
+        return self.out(h[:, 0])

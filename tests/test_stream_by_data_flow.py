@@ -18,10 +18,12 @@ from __future__ import annotations
 import warnings
 
 import pytest
+import torch
 from stream_models import (
     B,
     IdsFluxLike,
     JointInputs,
+    LateClassToken,
     N,
     RolePacked,
     T,
@@ -118,3 +120,9 @@ def test_a_stream_whose_roles_data_decides_is_refused(by):
 def test_a_padding_mask_alone_still_routes():
     info, warned = _route_and_call(RolePacked("padding"), lambda: role_inputs("padding"))
     assert info.num_tokens == N and not warned
+
+
+def test_a_declared_prefix_counts_only_where_the_stream_is_concatenated():
+    """Position 0 of the blocks' stream is an image token: routable, not a kept prefix."""
+    info, _ = _route_and_call(LateClassToken(), lambda: ((torch.randn(B, N, 4),), {}))
+    assert (info.num_tokens, info.prefix) == (N, 0)
