@@ -97,8 +97,8 @@ def role_mask(info: StreamInfo) -> str | None:
 
     Either the main input's tokens are written into the stream at positions an input gives
     (``stream.index_copy(1, video_indices, video)``), or the stream is a sum of a part fed by
-    the main input and gated per token by a mask computed from data, and a per-token part
-    fed by another input only.
+    the main input and a part fed by another input only, each gated per token by a mask
+    computed from data (a padding mask on the image plus an ungated per-token table is not).
     """
     stream0 = info.blocks[0].stream_in
     ups = [n for n in data_ancestors(stream0, set()) | {stream0} if n.op != "placeholder"]
@@ -122,7 +122,8 @@ def role_mask(info: StreamInfo) -> str | None:
         if len(mine) != 1 or len(other) != 1:
             continue
         gates = [g for n in data_ancestors(mine[0], set()) | {mine[0]} if (g := _gated(n, info))]
-        if gates:
+        theirs = [g for n in data_ancestors(other[0], set()) | {other[0]} if (g := _gated(n, info))]
+        if gates and theirs:  # complementary roles; an ungated per-token table is not one
             return (
                 f"the stream entering {info.blocks[0].path} adds, per position, the main input's "
                 f"tokens gated by a mask computed from data ({_named(gates[0])}) and per-token "

@@ -138,7 +138,8 @@ def ids_inputs():
 class RolePacked(nn.Module):
     """Text and image packed into one sequence, each position's role given by data:
     ``by="mask"`` multiplies by ``indicator == 1`` masks, ``by="index"`` writes with
-    ``index_copy`` at given positions; ``by="padding"`` only zeroes padded image tokens."""
+    ``index_copy`` at given positions; ``by="padding"`` zeroes padded image tokens and adds
+    a per-token table from another input, ungated (the roles stay the image's)."""
 
     def __init__(self, by: str) -> None:
         super().__init__()
@@ -155,8 +156,8 @@ class RolePacked(nn.Module):
         else:
             image_mask = (indicator == 1).to(x.dtype).unsqueeze(-1)
             h = self.x_in(x) * image_mask
-            if self.by == "mask":
-                h = h + self.c_in(context) * (1 - image_mask)
+            text = self.c_in(context)  # "padding": an ungated per-token table is added
+            h = h + (text * (1 - image_mask) if self.by == "mask" else text)
         for block in self.blocks:
             h = block(h)
         return self.out(h)
