@@ -11,7 +11,9 @@ positions a route would select. Data flow then decides:
 2. a candidate whose selectable positions never reach the model's output is not what is
    predicted (the text part of a joint stream, sliced off before the final layer; a text
    stream the last block drops), see :mod:`tread_fx.passes.positions`;
-3. candidates that select the same positions are one stream.
+3. candidates that select the same positions are one stream, and a candidate whose stack
+   is a proper part of another's (a text written into the buffer an image refiner's output
+   goes to) is the other's stream continued.
 
 When one stream is left, it is routed. When several are (a model returning both streams),
 the documented rule picks the one with the most selectable tokens (where routing saves the
@@ -263,9 +265,17 @@ def choose_stream(
             continue
         if i == 0 or _hands_on(info, block_nodes):
             found.setdefault(_key(info), info)
-    infos = list(found.values())
+    infos = _own_streams(list(found.values()))
     reaching = [info for info in infos if _reaches(info)] or infos[:1]
     return _refuse_role_masks(model, _decide(model, infos, reaching))
+
+
+def _own_streams(infos: list[StreamInfo]) -> list[StreamInfo]:
+    """Drop a candidate whose stack is a proper part of another candidate's stack: its stream
+    is the other's continued (joined by its own tokens, e.g. text written into a buffer
+    after an image refiner), not a stream of its own."""
+    lists = [set(info.list_paths) for info in infos]
+    return [info for info, own in zip(infos, lists) if not any(own < other for other in lists)]
 
 
 def _refuse_role_masks(model: nn.Module, info: StreamInfo) -> StreamInfo:
