@@ -26,11 +26,11 @@ import torch.fx as fx
 from tread_fx.passes.dataflow import data_inputs
 from tread_fx.passes.trace import TensorMeta
 
-__all__ = ["Span", "reaches_output"]
+__all__ = ["ALL", "Span", "reaches_output"]
 
 _SPLITS = frozenset({"split", "chunk", "tensor_split", "unbind"})
 _CATS = (torch.cat, torch.concat, torch.concatenate)
-_ALL = "all"  # the value depends on the span, positions no longer followed
+ALL = _ALL = "all"  # the value depends on the span, positions no longer followed
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ from torch import nn
 
 from tread_fx.errors import TokenStreamError, TreadFxError
 from tread_fx.passes.locate import StreamInfo, locate
+from tread_fx.passes.positions import ALL as _ALL_SPAN
 from tread_fx.passes.positions import Span, reaches_output
 from tread_fx.passes.role_masks import role_mask
 from tread_fx.passes.stacks import ancestors, block_calls, input_slots, main_input
@@ -181,8 +182,13 @@ def _hands_on(info: StreamInfo, block_nodes: set[fx.Node]) -> bool:
     return first.node is following or first.node in ancestors(following, set())
 
 
-def _block_steps(info: StreamInfo) -> dict:
-    """For the position walk: each block hands the span on from its stream argument only."""
+def _block_steps(info: StreamInfo, calls: dict) -> dict:
+    """For the position walk: each block hands the span on from its stream argument only.
+
+    Blocks of the other lists (not in this candidate's stack) hand it on from the argument
+    their list carries from block to block; a value they only read (a cross-attention
+    context) does not pass its positions on.
+    """
 
     def step_for(block):
         def step(node: fx.Node, span: object) -> object:
@@ -193,15 +199,47 @@ def _block_steps(info: StreamInfo) -> dict:
 
         return step
 
-    return {b.node: step_for(b) for b in info.blocks}
+    steps = {}
+    chain = {b.node for b in info.blocks}
+    for nodes in calls.values():
+        carried = _carried_in_slots(nodes)
+        for call in nodes:
+            if call not in chain:
+                steps[call] = _other_block_step(call, carried)
+    steps.update({b.node: step_for(b) for b in info.blocks})
+    return steps
 
 
-def _reaches(info: StreamInfo) -> bool:
+def _carried_in_slots(nodes: list[fx.Node]) -> set | None:
+    """Argument slots a list's blocks hand on (``None``: unknown, a one-block list)."""
+    if len(nodes) < 2:
+        return None
+    return {
+        k
+        for k, v in input_slots(nodes[1]).items()
+        if v is nodes[0] or nodes[0] in ancestors(v, set(nodes))
+    }
+
+
+def _other_block_step(call: fx.Node, carried: set | None):
+    def step(node: fx.Node, span: object) -> object:
+        if carried is None:
+            return _ALL_SPAN
+        slots = {k for k, v in input_slots(call).items() if v is node}
+        if not slots & carried:
+            return None  # read only (a context attended to): its positions do not pass on
+        meta = call.meta.get("tread_meta")
+        return span if isinstance(meta, TensorMeta) and span != _ALL_SPAN else _ALL_SPAN
+
+    return step
+
+
+def _reaches(info: StreamInfo, calls: dict) -> bool:
     lo, hi = info.prefix, info.num_tokens - info.suffix
     if info.batch_dim == -1 or hi <= lo:  # packed streams: positions are not followed
         return True
     span = Span(lo, hi, info.token_dim, info.num_tokens)
-    return reaches_output(info.blocks[0].stream_in, span, _block_steps(info))
+    return reaches_output(info.blocks[0].stream_in, span, _block_steps(info, calls))
 
 
 def _key(info: StreamInfo) -> tuple:
@@ -266,7 +304,7 @@ def choose_stream(
         if i == 0 or _hands_on(info, block_nodes):
             found.setdefault(_key(info), info)
     infos = _own_streams(list(found.values()))
-    reaching = [info for info in infos if _reaches(info)] or infos[:1]
+    reaching = [info for info in infos if _reaches(info, calls)] or infos[:1]
     return _refuse_role_masks(model, _decide(model, infos, reaching))
 
 
