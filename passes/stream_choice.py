@@ -303,15 +303,15 @@ def choose_stream(
             continue
         if i == 0 or _hands_on(info, block_nodes):
             found.setdefault(_key(info), info)
-    infos = _own_streams(list(found.values()))
-    reaching = [info for info in infos if _reaches(info, calls)] or infos[:1]
+    infos = list(found.values())
+    reaching = _own_streams([info for info in infos if _reaches(info, calls)]) or infos[:1]
     return _refuse_role_masks(model, _decide(model, infos, reaching))
 
 
 def _own_streams(infos: list[StreamInfo]) -> list[StreamInfo]:
-    """Drop a candidate whose stack is a proper part of another candidate's stack: its stream
-    is the other's continued (joined by its own tokens, e.g. text written into a buffer
-    after an image refiner), not a stream of its own."""
+    """Of the candidates that reach the output, drop one whose stack is a proper part of
+    another's: its stream is the other's continued (joined by its own tokens, e.g. text
+    written into a buffer after an image refiner), not a stream of its own."""
     lists = [set(info.list_paths) for info in infos]
     return [info for info, own in zip(infos, lists) if not any(own < other for other in lists)]
 
