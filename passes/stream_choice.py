@@ -12,8 +12,8 @@ positions a route would select. Data flow then decides:
    predicted (the text part of a joint stream, sliced off before the final layer; a text
    stream the last block drops), see :mod:`tread_fx.passes.positions`;
 3. candidates that select the same positions are one stream, and a candidate whose stack
-   is a proper part of another's (a text written into the buffer an image refiner's output
-   goes to) is the other's stream continued.
+   is a proper part of the shape-matched input's stack (a text written into the buffer an
+   image refiner's output goes to) is that stream continued.
 
 When one stream is left, it is routed. When several are (a model returning both streams),
 the documented rule picks the one with the most selectable tokens (where routing saves the
@@ -304,16 +304,21 @@ def choose_stream(
         if i == 0 or _hands_on(info, block_nodes):
             found.setdefault(_key(info), info)
     infos = list(found.values())
-    reaching = _own_streams([info for info in infos if _reaches(info, calls)]) or infos[:1]
+    reaching = [info for info in infos if _reaches(info, calls)]
+    reaching = _own_streams(reaching, infos[0]) or infos[:1]
     return _refuse_role_masks(model, _decide(model, infos, reaching))
 
 
-def _own_streams(infos: list[StreamInfo]) -> list[StreamInfo]:
-    """Of the candidates that reach the output, drop one whose stack is a proper part of
-    another's: its stream is the other's continued (joined by its own tokens, e.g. text
-    written into a buffer after an image refiner), not a stream of its own."""
-    lists = [set(info.list_paths) for info in infos]
-    return [info for info, own in zip(infos, lists) if not any(own < other for other in lists)]
+def _own_streams(reaching: list[StreamInfo], first: StreamInfo) -> list[StreamInfo]:
+    """Drop a reaching candidate whose stack is a proper part of the stack of ``first`` (the
+    input shaped like the prediction), when that one reaches too: its stream is the first's
+    continued (joined by its own tokens, e.g. text written into a buffer after an image
+    refiner), not a stream of its own. (The other way round, a text refiner chain that
+    contains the image stack, does not count: the token rule and the warning decide.)"""
+    if first not in reaching:
+        return reaching
+    own = set(first.list_paths)
+    return [info for info in reaching if info is first or not set(info.list_paths) < own]
 
 
 def _refuse_role_masks(model: nn.Module, info: StreamInfo) -> StreamInfo:
