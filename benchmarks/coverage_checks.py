@@ -42,11 +42,12 @@ import torch
 from torch import nn
 
 import tread_fx
+from benchmarks.coverage_provenance import stream_mismatch
 from tread_fx.inspection.flops import flop_counter
 
 __all__ = ["Case", "Verdict", "judge", "first_tensor", "randomize_zero_init", "VERDICTS"]
 
-VERDICTS = ("routes", "refused", "broken", "not buildable")
+VERDICTS = ("routes", "refused", "broken", "wrong stream", "not buildable")
 DEFAULT_ROUTES = [(1, -1)]
 
 
@@ -61,6 +62,8 @@ class Case:
         inputs: Builds ``(args, kwargs)`` of a forward call (deterministic).
         routes: Routes given to ``route()``.
         note: How the case was built (e.g. layer counts raised), shown in the table.
+        noisy: The forward argument holding the noisy input (keyword name or position;
+            ``None``: the first positional argument, else the first tensor keyword).
     """
 
     name: str
@@ -69,6 +72,7 @@ class Case:
     inputs: Callable[[], tuple[tuple, dict]]
     routes: list = field(default_factory=lambda: list(DEFAULT_ROUTES))
     note: str = ""
+    noisy: str | int | None = None
 
 
 @dataclass
@@ -259,6 +263,7 @@ def _check_routed(case: Case, ref: _Reference, route_fn: Callable, verdict: Verd
         "FLOPs",
         f"routed forward FLOPs {routed_flops} not below unrouted {ref.flops}",
     )
+    _check_stream(case, ref, model)
     learned = _attempt("backward", lambda: _learning(model, case))
     missing = sorted(ref.learning - learned)
     _require(
@@ -266,6 +271,16 @@ def _check_routed(case: Case, ref: _Reference, route_fn: Callable, verdict: Verd
         "gradients",
         f"{len(missing)} parameters that learn unrouted get no gradient: {missing[:3]}",
     )
+
+
+def _check_stream(case: Case, ref: _Reference, model: nn.Module) -> None:
+    """The routed positions are the noisy input's (see ``coverage_provenance.py``)."""
+    try:
+        why = stream_mismatch(ref.pristine, model, case.inputs(), case.noisy)
+    except Exception as err:  # noqa: BLE001 - a check that cannot run is a broken row
+        raise _Failed("broken", "stream provenance", f"{_reason(err)} (at {_where(err)})") from err
+    if why:
+        raise _Failed("wrong stream", "stream provenance", why)
 
 
 def _check_rate_zero(case: Case, ref: _Reference, route_fn: Callable) -> None:

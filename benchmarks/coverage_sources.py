@@ -137,7 +137,9 @@ def _diffusers_case(cls: type, unique: bool) -> Case:
     inputs = _seeded(lambda: ({}, config.get_dummy_inputs()))
     init, note = _raise_what_runs(model_class, config.get_init_dict(), lambda: inputs()[1])
     name = model_class.__name__ if unique else cls.__name__.removesuffix("TesterConfig")
-    return Case(name, "diffusers", lambda: model_class(**init), inputs, note=note)
+    noisy = getattr(config, "main_input_name", None)  # the suite's latent
+    noisy = noisy() if callable(noisy) else noisy or "hidden_states"
+    return Case(name, "diffusers", lambda: model_class(**init), inputs, note=note, noisy=noisy)
 
 
 def diffusers_cases(suite: Path, module: str) -> Iterator[Case | tuple[str, str]]:
@@ -218,7 +220,7 @@ def timm_case(name: str) -> Case:
 
     probe = timm_tiny(name)
     arch = f"{type(probe).__name__} / {_stack_class(probe)}"
-    return Case(name, "timm", lambda: timm_tiny(name), inputs, note=arch)
+    return Case(name, "timm", lambda: timm_tiny(name), inputs, note=arch, noisy=0)  # the image
 
 
 # -- transformers: the state-space and hybrid family ----------------------------------------
@@ -269,4 +271,5 @@ def transformers_cases() -> Iterator[Case | tuple[str, str]]:
         except Exception as err:  # noqa: BLE001 - not in this transformers version
             yield f"{family}Model", f"config: {type(err).__name__}: {str(err)[:200]}"
             continue
-        yield Case(f"{family}Model", "transformers", lambda c=config, m=model_class: m(c), inputs)
+        make = lambda c=config, m=model_class: m(c)  # noqa: E731
+        yield Case(f"{family}Model", "transformers", make, inputs, noisy="inputs_embeds")

@@ -43,15 +43,25 @@ def joint_parts(
         num_tokens: The stream's token count.
 
     Returns:
-        The prefix and suffix token counts; the suffix is always detected.
+        The prefix and suffix token counts; the suffix is always detected, and the declared
+        ``num_prefix_tokens`` counts only where a concatenation along the token dim builds
+        the stream (else no token is concatenated in front at this point).
     """
     prefix, suffix = parts_from_concat(stream0, primary, token_dim, num_tokens)
     declared = getattr(model, "num_prefix_tokens", None)
     if keep_prefix is not None:
         prefix = keep_prefix
-    elif isinstance(declared, int):
-        prefix = declared
+    elif isinstance(declared, int) and _concatenated(stream0, token_dim, num_tokens):
+        prefix = declared  # the model's own count of the tokens it concatenates in front
     return prefix, suffix
+
+
+def _concatenated(stream0: fx.Node, token_dim: int, num_tokens: int) -> bool:
+    """Whether a concatenation along the token dim builds the stream: without one, every
+    position is computed alike from the main input, and a declared prefix (CaiT's and
+    ConViT's class token, added only before their later blocks) is not in this stream."""
+    upstream = ancestors(stream0, set()) | {stream0}
+    return any(_cat_sizes(n, token_dim, num_tokens) is not None for n in upstream)
 
 
 def parts_from_concat(

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch.fx as fx
 import torch.utils._pytree as pytree
@@ -99,6 +100,7 @@ class StreamInfo:
     form_cuts: set[int] = field(default_factory=set)  # blocks a route split ends before
     folded: int = 1  # dim 0 holds batch_size * folded rows (frames or positions folded in)
     suffix: int = 0  # trailing tokens never routed (text behind the image: passes/joint.py)
+    choice: Any = None  # how the stream was chosen (passes/stream_choice.py StreamChoice)
 
     @property
     def depth(self) -> int:
@@ -123,6 +125,7 @@ def locate(
     list_paths: list[str],
     explicit: bool,
     keep_prefix: int | None = None,
+    primary: fx.Node | None = None,
 ) -> StreamInfo:
     """Find the block stack and the token stream in a traced call.
 
@@ -132,12 +135,14 @@ def locate(
         list_paths: Candidate container paths (all candidates, or the user's ``blocks=``).
         explicit: Whether ``list_paths`` came from the user.
         keep_prefix: Number of leading tokens never routed; ``None`` detects it.
+        primary: The model input whose stream is routed (``None``: the input shaped like
+            the first output; :mod:`tread_fx.passes.stream_choice` tries each candidate).
 
     Returns:
         The :class:`StreamInfo`.
     """
     calls = block_calls(traced, list_paths)
-    primary = main_input(traced.gm.graph)
+    primary = main_input(traced.gm.graph) if primary is None else primary
     chain = choose_stack(model, calls, None if explicit else primary, explicit)
     while True:
         nodes = [(path, node) for path in chain for node in calls[path]]

@@ -24,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import os
 from collections.abc import Iterator
@@ -492,6 +493,8 @@ def trace_call(model: nn.Module, args: tuple, kwargs: dict, leaf_paths: set[str]
                 raise side_effect_error(model, effects)
             retraced, flags = True, module_flags(model)  # once, for real: trace after them
         except _EagerFailure as failure:
+            with contextlib.suppress(AttributeError):  # the model's own: never "internal"
+                failure.original.tread_model_error = True
             raise failure.original from None
         except DataDependentError as err:
             if err.module_path is None or len(auto_leaves) >= _MAX_AUTO_LEAVES:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import dit_inputs, tiny_dit
+from stream_models import JointInputs, N, joint_inputs
 
 from benchmarks.coverage import main as coverage_main
 from benchmarks.coverage import totals, write_markdown
@@ -47,6 +48,28 @@ def test_a_route_that_changes_eval_is_broken():
 
     verdict = judge(_dit_case(), route_fn=eval_breaking)
     assert verdict.verdict == "broken" and verdict.stage == "eval output"
+
+
+def test_a_router_that_routes_the_wrong_stream_scores_wrong_stream():
+    """Every other check passes when the context positions of a joint stream are routed."""
+    import tread_fx
+
+    def wrong_stream(model, **kwargs):
+        return tread_fx.route(model, stream="context", **kwargs)  # the text, not the image
+
+    case = Case("joint", "test", JointInputs, joint_inputs, noisy="x")
+    assert judge(case).verdict == "routes"
+    verdict = judge(case, route_fn=wrong_stream)
+    assert verdict.verdict == "wrong stream" and verdict.stage == "stream provenance"
+    assert f"positions {N}..{2 * N}" in verdict.reason and f"0..{N}" in verdict.reason
+    assert totals([verdict.to_dict()])["broken"] == 1
+
+
+def test_the_noisy_input_defaults_to_the_first_argument():
+    case = Case("joint", "test", JointInputs, joint_inputs)
+    assert judge(case).verdict == "routes"
+    wrong = Case("joint", "test", JointInputs, joint_inputs, noisy="context")
+    assert judge(wrong).verdict == "wrong stream"
 
 
 def test_a_model_without_a_block_stack_is_refused():

@@ -86,7 +86,9 @@ def _nothing_left_patched() -> None:
 
 def test_a_bystander_thread_sees_normal_behaviour_during_a_first_routed_call():
     model = tread_fx.route(_model(0), routes=[(1, 3)], seed=0)
-    report: dict[str, list] = {k: [] for k in ("random", "grad", "rand", "ones", "expand", "is_tensor")}
+    report: dict[str, list] = {
+        k: [] for k in ("random", "grad", "rand", "ones", "expand", "is_tensor")
+    }
     report["module"], errors = [], []
 
     def bystander() -> None:

@@ -340,6 +340,7 @@ def route(
     share_selection: bool | None = None,
     fp32_reentry: bool = False,
     routing_probability: float = 1.0,
+    stream: str | int | None = None,
 ) -> nn.Module:
     """Make ``model`` train with TREAD token routing, in place.
 
@@ -373,6 +374,11 @@ def route(
             (the authors' stability measure under bf16).
         routing_probability: Route on this fraction of training steps (drawn per call from
             the selection generator); the other steps run the original forward.
+        stream: The forward argument whose tokens are routed: its name (``"x"``) or its
+            position (``0``). ``None`` (default): data flow decides (the input whose tokens
+            reach the prediction, see docs/design.md "Which stream is routed"); when it
+            cannot, a documented rule picks and a ``StreamChoiceWarning`` names the
+            candidates and this option. A name the forward lacks raises ``TokenStreamError``.
 
     Returns:
         ``model`` itself.
@@ -403,6 +409,7 @@ def route(
         reinsert=reinsert,
         share_selection=share_selection,
         fp32_reentry=fp32_reentry,
+        stream=stream,
     )
     state = _RoutingState(config, seed, compile, _check_probability(routing_probability))
     if example_inputs is not None:

@@ -28,6 +28,7 @@ from torch import nn
 from tread_fx.errors import BlockStackNotFoundError
 from tread_fx.passes.locate import candidate_stacks, resolve_block_lists
 from tread_fx.passes.rewrite import Reinsert
+from tread_fx.passes.stream_choice import check_stream_option
 from tread_fx.routes import Route, check_rate, parse_routes, resolve_routes
 from tread_fx.runtime.selection import Strategy, get_strategy
 
@@ -49,6 +50,8 @@ class RoutingConfig:
         reinsert: How routed-around tokens re-enter.
         share_selection: Batch-shared selection: ``None`` where needed, or always/never.
         fp32_reentry: Run the first block after each route in float32.
+        stream: The forward argument (name or position) whose stream is routed (``None``:
+            chosen by data flow, see ``passes/stream_choice.py``).
         strategy: The selection strategy named by ``selection``.
         block_lists: Paths of the candidate block containers (data flow picks among several).
         depth: Number of blocks when known without tracing, else ``None``.
@@ -65,6 +68,7 @@ class RoutingConfig:
     reinsert: Reinsert = field(default_factory=Reinsert)
     share_selection: bool | None = None
     fp32_reentry: bool = False
+    stream: str | int | None = None
     strategy: Strategy = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
     block_lists: list[str] | None = None
     depth: int | None = None
@@ -146,6 +150,7 @@ def resolve_config(
     reinsert: Reinsert | None = None,
     share_selection: bool | None = None,
     fp32_reentry: bool = False,
+    stream: str | int | None = None,
 ) -> RoutingConfig:
     """Validate and resolve the routing arguments of ``route()``/``explain()`` for ``model``.
 
@@ -161,6 +166,8 @@ def resolve_config(
         reinsert: How routed-around tokens re-enter (default: unchanged).
         share_selection: ``None``, ``True`` or ``False`` (see ``route()``).
         fp32_reentry: Run the first block after each route in float32.
+        stream: Forward argument name or position holding the noisy input (``None``: data
+            flow decides).
 
     Returns:
         The :class:`RoutingConfig`.
@@ -170,7 +177,9 @@ def resolve_config(
         InvalidRateError: the rate is not in [0, 1).
         SelectionError: the selection strategy is unknown.
         BlockStackNotFoundError: ``blocks=`` names no container, or none can be found.
+        TokenStreamError: ``stream=`` names no argument of the model's forward.
     """
+    check_stream_option(model, stream)
     strategy = get_strategy(selection)
     parsed = parse_routes(routes, rate)
     list_paths = resolve_block_lists(model, blocks)
@@ -187,6 +196,7 @@ def resolve_config(
         reinsert=reinsert or Reinsert(),
         share_selection=share_selection,
         fp32_reentry=fp32_reentry,
+        stream=stream,
         strategy=strategy,
         block_lists=list_paths,
         depth=depth,

@@ -38,6 +38,9 @@ __all__ = [
     "ModelSpecError",
     "ExampleInputError",
     "GraphvizNotFoundError",
+    "StreamChoiceWarning",
+    "TreadFxInternalError",
+    "ThinRouteWarning",
 ]
 
 
@@ -189,3 +192,26 @@ class ExampleInputError(TreadFxError, ValueError):
 
 class GraphvizNotFoundError(TreadFxError, RuntimeError):
     """Rendering SVG needs Graphviz's ``dot`` program, which is not installed."""
+
+
+class StreamChoiceWarning(UserWarning):
+    """Several streams could be routed and a documented rule chose one (``stream=`` picks)."""
+
+
+class ThinRouteWarning(UserWarning):
+    """The routes span under half of the blocks the token stream flows through."""
+
+
+class TreadFxInternalError(TreadFxError, RuntimeError):
+    """tread_fx's own code failed in a pass (a bug to report); the original is ``__cause__``.
+
+    Attributes:
+        stage: The pass that failed (``"tracing"``, ``"locating"``, ``"planning"``,
+            ``"rewriting"``).
+        block: The block being processed, if known.
+        where: The model's ``file:line`` being processed, if known.
+    """
+
+    def __init__(self, message: str, stage: str = "", block: str | None = None, where: str = ""):
+        super().__init__(message)
+        self.stage, self.block, self.where = stage, block, where

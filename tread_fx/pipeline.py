@@ -28,7 +28,13 @@ from torch import nn
 
 from tread_fx.adapters.token_tables import take_rows
 from tread_fx.config import RoutingConfig
-from tread_fx.errors import SelectionError, SideInputError, TokenStreamError
+from tread_fx.errors import (
+    SelectionError,
+    SideInputError,
+    StreamChoiceWarning,
+    ThinRouteWarning,
+    TokenStreamError,
+)
 from tread_fx.passes.forms import cut_at_route_ends, form_changes, locate_tokens, needs_split
 from tread_fx.passes.inline_tables import (
     InlineBlock,
@@ -36,14 +42,17 @@ from tread_fx.passes.inline_tables import (
     find_token_tables,
     inline_token_tables,
 )
-from tread_fx.passes.locate import StreamInfo, block_leaf_paths, locate, resolve_block_lists
+from tread_fx.passes.locate import StreamInfo, block_leaf_paths, resolve_block_lists
 from tread_fx.passes.plan import Crossing, RoutePlan, graph_to_networkx, plan_route
 from tread_fx.passes.rewrite import append_route_outputs, rewrite_route
+from tread_fx.passes.stream_choice import choose_stream
 from tread_fx.passes.streams import check_no_token_tables_inside, grid_in_block_arguments
+from tread_fx.passes.thin_routes import thin_stack
 from tread_fx.passes.token_major import GRID_ROWS, is_token_major
 from tread_fx.passes.trace import TracedCall, trace_call
 from tread_fx.routes import Route
 from tread_fx.runtime.selection import get_strategy
+from tread_fx.stages import stage
 
 __all__ = ["Built", "build", "find_grid"]
 
@@ -147,7 +156,7 @@ def _plan_split(gm, info, route: Route, index: int, changes: list, build_args) -
     return first, kept
 
 
-def _resolve_auto(traced, info: StreamInfo, routes: list[Route], config, grid, splits: dict):
+def _resolve_auto(traced, info: StreamInfo, routes: list[Route], config, grid, splits, focus):
     """The strategy to use: ``selection="auto"`` becomes ``"random"``, or ``"rows"`` when a
     routed block reshapes its tokens to the patch grid (random tokens make no grid)."""
     if config.strategy.name != "auto":
@@ -155,6 +164,7 @@ def _resolve_auto(traced, info: StreamInfo, routes: list[Route], config, grid, s
     random = get_strategy("random")
     try:
         for i, route in enumerate(routes):
+            _focus_on(focus, info, route)
             piece = _first_piece(route, splits.get(i))
             plan_route(traced.gm, info, piece, i, random, grid, config.strict)
     except SelectionError:
@@ -238,6 +248,33 @@ def _share_across_folded_rows(plan: RoutePlan, info: StreamInfo, share: bool | N
     _require_shared(plan, share, refusal)
 
 
+def _focus_on(focus: dict, info: StreamInfo, route: Route) -> None:
+    """Name the route and its first block as what the stage works on (for internal errors)."""
+    block = info.blocks[route.start]
+    module = focus["model"].get_submodule(block.path)
+    focus.update(block=block.path, module=module, route=(route.start, route.end))
+
+
+def _plan_and_rewrite(traced, info, config, indexed, changes, how) -> tuple:
+    """Plan one route and rewrite the graph for it: ``(plan, kept ids node, inlined)``."""
+    (i, route), (strategy, grid, embedded, focus) = indexed, how
+    if changes is not None:
+        build_args = (strategy, grid, config, embedded, traced.wrapper)
+        with stage("planning and rewriting", lambda: focus):
+            plan, kept = _plan_split(traced.gm, info, route, i, changes, build_args)
+        return plan, kept, []
+    with stage("planning", lambda: focus):
+        plan = plan_route(traced.gm, info, route, i, strategy, grid, config.strict)
+        _apply_share_selection(plan, config.share_selection)
+        found = _token_tables(traced, info, plan, config.share_selection)
+        _share_across_folded_rows(plan, info, config.share_selection)
+    with stage("rewriting", lambda: focus):
+        kept = rewrite_route(traced.gm, plan, strategy, config.reinsert, embedded)
+    if config.fp32_reentry and plan.end_block is not None:
+        plan.end_block.node.meta["tread_fp32"] = True
+    return plan, kept, found
+
+
 def build(model: nn.Module, args: tuple, kwargs: dict, config: RoutingConfig) -> Built:
     """Trace ``model(*args, **kwargs)`` and rewrite it with the configured routes.
 
@@ -251,38 +288,42 @@ def build(model: nn.Module, args: tuple, kwargs: dict, config: RoutingConfig) ->
         A :class:`Built` whose GraphModule takes the call's tensors followed by one noise
         tensor per route and returns the model's flat outputs followed by the kept ids.
     """
+    focus: dict = {"model": model}
     list_paths = config.block_lists
     if list_paths is None:
         list_paths = resolve_block_lists(model, config.blocks)
-    traced = trace_call(model, args, kwargs, block_leaf_paths(model, list_paths))
-    info = locate(traced, model, list_paths, config.blocks is not None, config.keep_prefix)
+    with stage("tracing", lambda: focus):
+        traced = trace_call(model, args, kwargs, block_leaf_paths(model, list_paths))
+    with stage("locating", lambda: focus):
+        explicit = config.blocks is not None
+        info = choose_stream(traced, model, list_paths, explicit, config.keep_prefix, config.stream)
+        thin = None if explicit else thin_stack(traced, model, info, list_paths, config.keep_prefix)
+    if info.choice is not None and info.choice.guessed:
+        warnings.warn(info.choice.message(), StreamChoiceWarning, stacklevel=4)
+    if thin is not None:
+        warnings.warn(thin, ThinRouteWarning, stacklevel=4)
     routes = config.routes_for(info.depth)
-    splits = _split_routes(traced, info, routes, args, kwargs)
-    if is_token_major(info.stream_meta.shape):  # whole dim-1 slices: rows of a grid
-        grid, strategy = None, GRID_ROWS
-    else:
-        grid = _grid_for(model, config, info)
-        strategy = _resolve_auto(traced, info, routes, config, grid, splits)
+    with stage("planning", lambda: focus):  # the selection for all routes
+        splits = _split_routes(traced, info, routes, args, kwargs)
+        if is_token_major(info.stream_meta.shape):  # whole dim-1 slices: rows of a grid
+            grid, strategy = None, GRID_ROWS
+        else:
+            grid = _grid_for(model, config, info)
+            strategy = _resolve_auto(traced, info, routes, config, grid, splits, focus)
     embedded = info.blocks[0].stream_in
     plans, idx_nodes, inlined = [], [], []
     for i, route in enumerate(routes):
-        if i in splits:
-            build_args = (strategy, grid, config, embedded, traced.wrapper)
-            plan, kept = _plan_split(traced.gm, info, route, i, splits[i], build_args)
-            plans.append(plan)
-            idx_nodes.append(kept)
-            inlined.append([])
-            continue
-        plan = plan_route(traced.gm, info, route, i, strategy, grid, config.strict)
-        _apply_share_selection(plan, config.share_selection)
-        inlined.append(_token_tables(traced, info, plan, config.share_selection))
-        _share_across_folded_rows(plan, info, config.share_selection)
-        idx_nodes.append(rewrite_route(traced.gm, plan, strategy, config.reinsert, embedded))
+        _focus_on(focus, info, route)
+        plan, kept, found = _plan_and_rewrite(
+            traced, info, config, (i, route), splits.get(i), (strategy, grid, embedded, focus)
+        )
         plans.append(plan)
-        if config.fp32_reentry and plan.end_block is not None:
-            plan.end_block.node.meta["tread_fp32"] = True
-    for plan, idx, found in zip(plans, idx_nodes, inlined):
-        _inline(traced, plan, idx, found)
-    drop_examples(traced.gm)
-    num_outputs = append_route_outputs(traced.gm, idx_nodes)
+        idx_nodes.append(kept)
+        inlined.append(found)
+    focus.pop("route", None)
+    with stage("rewriting", lambda: focus):
+        for plan, idx, found in zip(plans, idx_nodes, inlined):
+            _inline(traced, plan, idx, found)
+        drop_examples(traced.gm)
+        num_outputs = append_route_outputs(traced.gm, idx_nodes)
     return Built(traced, info, routes, plans, num_outputs, strategy.name)

@@ -218,6 +218,20 @@ def _stream(built: Built, selection: str) -> dict[str, Any]:
         "unit": token_major_unit(meta.shape),
         "folded": info.folded,
         "enters_at": info.blocks[0].path,
+        "choice": _choice(info.choice),
+    }
+
+
+def _choice(choice: Any) -> dict[str, Any] | None:
+    """How the routed stream was chosen (``passes/stream_choice.py``)."""
+    if choice is None:
+        return None
+    return {
+        "chosen": choice.chosen,
+        "reason": choice.reason,
+        "candidates": list(choice.candidates),
+        "guessed": choice.guessed,
+        "option": f"stream={choice.option}",
     }
 
 
@@ -241,6 +255,7 @@ def explain(
     reinsert: Reinsert | None = None,
     share_selection: bool | None = None,
     fp32_reentry: bool = False,
+    stream: str | int | None = None,
     flops: bool = True,
     progress: Callable[[str], None] | None = None,
 ) -> Explanation:
@@ -261,6 +276,7 @@ def explain(
         share_selection: As for ``route()``: share one selection across the batch where
             needed (``None``), always (``True``) or never (``False``).
         fp32_reentry: As for ``route()``: the first block after each route runs in float32.
+        stream: As for ``route()``: the forward argument whose tokens are routed.
         flops: Count ATen ops and FLOPs (``make_fx`` on fake tensors); ``False`` is faster.
         progress: Called with a short line before each stage (tracing, planning, FLOP
             counting); the ``tread-fx`` command prints them to stderr.
@@ -286,6 +302,7 @@ def explain(
         reinsert=reinsert,
         share_selection=share_selection,
         fp32_reentry=fp32_reentry,
+        stream=stream,
     )
     if example_inputs is None:
         example_inputs = make_example_inputs(model)

@@ -302,6 +302,21 @@ def _table(rows: list[list[str]], indent: str = "  ") -> list[str]:
     ]
 
 
+def _choice_lines(choice: dict[str, Any] | None, s: Style) -> list[str]:
+    """How the routed stream was chosen, with the option that picks another."""
+    if not choice:
+        return []
+    lines = [f"  routed: {choice['chosen']}", f"  because: {choice['reason']}"]
+    if len(choice["candidates"]) > 1:
+        lines.append("  candidates: " + "; ".join(choice["candidates"]))
+    if choice["guessed"]:
+        lines.append(
+            s("  (a rule chose among several streams; ", "yellow")
+            + f"{choice['option']} keeps it, stream=<another argument> routes another)"
+        )
+    return lines
+
+
 def _routes_section(exp: Explanation, s: Style) -> list[str]:
     lines = [s("Routes", "bold")]
     for r in exp.routes:
@@ -449,6 +464,7 @@ def format_report(exp: Explanation, color: bool = False) -> str:
         f"  {st['num_tokens']} tokens, {st['prefix']} prefix token(s) kept{suffix}{grid}; "
         f"selection '{st['selection']}'",
     ]
+    lines += _choice_lines(st.get("choice"), s)
     if st.get("unit"):
         lines.append(f"  routed unit: {st['unit']}")
     if st.get("folded", 1) > 1:

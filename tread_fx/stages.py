@@ -1,0 +1,121 @@
+"""Internal errors are named: a failure of tread_fx's own code in a pass reaches the user as
+a :class:`~tread_fx.errors.TreadFxInternalError` naming the stage, the block and the model's
+file:line being processed; the model's own exceptions stay the model's.
+
+Who raised it is read from the traceback: the innermost frame outside torch and the Python
+standard library is tread_fx's (``tread_fx/``, ``passes/``) for an internal error, the
+model's (or a library it calls) otherwise. An exception the model's code raised while being
+traced on real values is marked by the trace pass (``tread_model_error``) and stays the
+model's even though tread_fx's tracer ran the failing op.
+
+Example:
+    >>> from tread_fx.stages import stage
+    >>> with stage("planning", lambda: {"block": "blocks.1"}):
+    ...     pass
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import sysconfig
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+import tread_fx
+import tread_fx.models
+import tread_fx.passes as tread_passes
+from tread_fx.errors import TreadFxError, TreadFxInternalError
+
+__all__ = ["stage", "raised_by_tread_fx", "source_line"]
+
+_OWN = tuple(
+    os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (tread_fx, tread_passes)
+)
+_NEUTRAL = (
+    os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
+    os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep,
+)
+_MODELS = os.path.dirname(os.path.abspath(tread_fx.models.__file__)) + os.sep
+
+
+def _own_file(path: str) -> bool:
+    path = os.path.abspath(path)
+    return path.startswith(_OWN) and not path.startswith(_MODELS)
+
+
+def raised_by_tread_fx(err: BaseException) -> bool:
+    """Whether ``err`` was raised by tread_fx's own code (not the model's, not on purpose)."""
+    if isinstance(err, TreadFxError) or getattr(err, "tread_model_error", False):
+        return False
+    for frame in reversed(traceback.extract_tb(err.__traceback__)):
+        if os.path.abspath(frame.filename).startswith(_NEUTRAL):
+            continue
+        return _own_file(frame.filename)
+    return False
+
+
+def source_line(obj: Any) -> str:
+    """``file:line`` of ``obj``'s ``forward`` (a module) or of ``obj`` itself ('' if unknown)."""
+    target = type(obj).forward if isinstance(obj, nn.Module) else obj
+    try:
+        target = inspect.unwrap(target)
+        return f"{inspect.getsourcefile(target)}:{inspect.getsourcelines(target)[1]}"
+    except (TypeError, OSError):
+        return ""
+
+
+def _model_frame(err: BaseException) -> str:
+    """The innermost frame of the model's code (outside torch, stdlib, tread_fx), if any."""
+    for frame in reversed(traceback.extract_tb(err.__traceback__)):
+        path = os.path.abspath(frame.filename)
+        if not path.startswith(_NEUTRAL) and not _own_file(path):
+            return f"{frame.filename}:{frame.lineno}"
+    return ""
+
+
+@contextlib.contextmanager
+def stage(name: str, focus: Callable[[], dict[str, Any]]) -> Iterator[None]:
+    """Run one stage of the pipeline; an internal failure becomes ``TreadFxInternalError``.
+
+    Args:
+        name: The stage, as a verb phrase (``"tracing"``, ``"locating"``, ``"planning"``,
+            ``"rewriting"``).
+        focus: Called on failure: ``{"block": path, "module": nn.Module, "model": model,
+            "route": (start, end)}`` (any may be missing), what the stage was working on.
+
+    Raises:
+        TreadFxInternalError: tread_fx's own code raised (the original as ``__cause__``).
+    """
+    try:
+        yield
+    except Exception as err:
+        if not raised_by_tread_fx(err):
+            raise
+        raise _internal(name, focus(), err) from err
+
+
+def _internal(name: str, focus: dict[str, Any], err: BaseException) -> TreadFxInternalError:
+    block = focus.get("block")
+    where = _model_frame(err) or source_line(focus.get("module") or focus.get("model"))
+    model = focus.get("model")
+    detail = str(err).strip().splitlines()[0][:300] if str(err).strip() else ""
+    return TreadFxInternalError(
+        f"internal error in tread_fx while {name}"
+        + (f" route {focus['route']}" if focus.get("route") else "")
+        + (f" at block {block}" if block else "")
+        + f": {type(err).__name__}\n"
+        + (f"  {detail}\n" if detail else "")
+        + (f"  model code being processed: {where}\n" if where else "")
+        + f"This is a bug in tread_fx, not in {type(model).__name__ if model else 'your model'}: "
+        "please report it with this message, the traceback and the model's code (or a small "
+        "model that shows it).",
+        stage=name,
+        block=block,
+        where=where,
+    )
