@@ -42,6 +42,7 @@ from tread_fx.passes.streams import (
 )
 from tread_fx.passes.token_counts import count_arguments
 from tread_fx.passes.trace import TensorMeta
+from tread_fx.passes.uses import block_uses, reached_ops, value_uses
 from tread_fx.routes import Route
 from tread_fx.runtime.selection import Strategy, kept_units
 
@@ -177,8 +178,10 @@ def _dict_keys_holding(block: Any, user: fx.Node, node: fx.Node) -> set[str]:
     }
 
 
-def _side_value(g, node, users, region, info, layout, block_nodes) -> SideValue:
+def _side_value(g, node, users, region, info, layout, block_nodes, uses) -> SideValue:
     names, classes = set(), set()
+    receiving = {u: uses.get(u) for u in users if u in block_nodes}
+    use = value_uses(node, receiving)
     for user in users:
         if user in block_nodes:
             for key, arg in input_slots(user).items():
@@ -203,6 +206,8 @@ def _side_value(g, node, users, region, info, layout, block_nodes) -> SideValue:
         from_stream=node is info.primary or nx.has_path(g, info.primary, node),
         combined_with_stream=combined,
         from_inputs=_from_inputs(node),
+        use=use.value if use is not None else None,
+        reaches=frozenset(reached_ops(node, receiving)),
     )
 
 
@@ -236,6 +241,7 @@ def _classify_entering(side: SideValue, users, carried_slot, family, strict: boo
             "tokens. Register a tread_fx.adapters.Adapter for it (action 'gather' or 'pass'), "
             "or pass strict=False to gather token-aligned values and pass the rest."
         )
+        message += _how_used(side)
         if notes:
             message += " Rules meant for it declined: " + "; ".join(notes) + "."
         if strict:
@@ -246,8 +252,19 @@ def _classify_entering(side: SideValue, users, carried_slot, family, strict: boo
     return Crossing(node, "pass", "not token-aligned", users)
 
 
+def _how_used(side: SideValue) -> str:
+    """What the blocks do with an unclassified value (see ``passes/uses.py``)."""
+    if side.use is None:
+        return " No block receiving it could be traced through to see how it is used."
+    ops = ", ".join(sorted(side.reaches)) or "nothing"
+    return (
+        f" The blocks use it in {ops}, none of which says which dims are tokens (no "
+        "attention mask, elementwise table, ids or attended context)."
+    )
+
+
 def _entering(g, plan_args, region, info, layout, strict) -> list[Crossing]:
-    start, stream_start = plan_args
+    start, stream_start, uses = plan_args
     block_nodes = {b.node: _module_of(b) for b in info.blocks}
     start_slots = {n: k for k, n in input_slots(start.node).items()}
     family = family_slots(g, info, start)
@@ -262,7 +279,7 @@ def _entering(g, plan_args, region, info, layout, strict) -> list[Crossing]:
             crossings.append(Crossing(value, "gather", "token stream", users))
             continue
         slot = start_slots.get(value)
-        side = _side_value(g, value, users, region, info, layout, block_nodes)
+        side = _side_value(g, value, users, region, info, layout, block_nodes, uses)
         carried_slot = slot if slot in carried and start.node in users else None
         crossings.append(_classify_entering(side, users, carried_slot, family, strict))
     return crossings
@@ -403,7 +420,8 @@ def plan_route(
         folded=info.folded,
     )
     start = info.blocks[route.start]
-    entering = _entering(g, (start, stream_start), region, info, layout, strict)
+    uses = _uses(gm, info, route, layout)
+    entering = _entering(g, (start, stream_start, uses), region, info, layout, strict)
     non_token = non_token_carried(g, info, route)
     leaving = _leaving(region, info, route, (stream_start, stream_end), entering, layout, non_token)
     for crossing in leaving:
@@ -441,7 +459,7 @@ def plan_route(
     passed = {c.node for c in entering if c.action == "pass"}
     name = lambda block, slot: argument_name(_module_of(block), slot)  # noqa: E731
     counts = count_arguments(
-        info, route, layout.prefix, layout.suffix, kept_tokens, passed, name, set(heights)
+        info, route, layout.prefix, layout.suffix, kept_tokens, passed, name, set(heights), uses
     )
     end_block = info.blocks[route.end] if route.end < info.depth else None
     return RoutePlan(
@@ -463,6 +481,12 @@ def plan_route(
         count_args=counts,
         segments=segments,
     )
+
+
+def _uses(gm: fx.GraphModule, info: StreamInfo, route: Route, layout: StreamLayout) -> dict:
+    """How the route's blocks use their inputs (see :mod:`tread_fx.passes.uses`)."""
+    tokens = {layout.num_tokens, layout.num_tokens - layout.prefix, layout.routable}
+    return block_uses(gm, info.blocks[route.start : route.end], tokens, info.token_dim)
 
 
 def _batch_size(info: StreamInfo, shape: tuple) -> int:
@@ -488,7 +512,8 @@ def _plan_piece(gm, g, info, route: Route, follows: RoutePlan, change, strict) -
         folded=info.folded,
     )
     start = info.blocks[route.start]
-    entering = _entering(g, (start, stream_start), region, info, layout, strict)
+    uses = _uses(gm, info, route, layout)
+    entering = _entering(g, (start, stream_start, uses), region, info, layout, strict)
     non_token = non_token_carried(g, info, route)
     leaving = _leaving(region, info, route, (stream_start, stream_end), entering, layout, non_token)
     end_block = info.blocks[route.end] if route.end < info.depth else None

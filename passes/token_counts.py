@@ -47,6 +47,7 @@ def count_arguments(
     passed: set[fx.Node],
     name: Callable[[BlockCall, tuple], str],
     skip: set[tuple] = frozenset(),
+    uses: dict | None = None,
 ) -> list[tuple[fx.Node, tuple, int]]:
     """Int arguments of the route's blocks that count tokens of the routed stream.
 
@@ -60,6 +61,9 @@ def count_arguments(
         passed: Values entering the route unchanged (their lengths are other counts).
         name: The parameter name a block's argument slot fills (for messages).
         skip: ``(node, slot)`` pairs already rewritten (the patch grid's height).
+        uses: Per block node, its :class:`~tread_fx.passes.uses.BlockUses`: only an int
+            that sizes, slices or splits a token dim in the block is a count; a block
+            that cannot be traced through has none.
 
     Returns:
         ``(block node, slot, number after routing)`` for each argument whose number changes.
@@ -89,12 +93,20 @@ def count_arguments(
         for slot, number in int_arguments(block.node):
             if (block.node, slot) in skip or slot not in constant:
                 continue
+            if not _sizes_tokens(uses, block, slot):
+                continue
             matches = [(what, new) for what, value, new in counts if value == number]
             if len({new for _, new in matches}) > 1:
                 raise SideInputError(_ambiguous(block, name(block, slot), number, matches))
             if matches and matches[0][1] != number:
                 found.append((block.node, slot, matches[0][1]))
     return found
+
+
+def _sizes_tokens(uses: dict | None, block: BlockCall, slot: tuple) -> bool:
+    """Whether the block uses the int in ``slot`` as a token count (see passes/uses.py)."""
+    found = uses.get(block.node) if uses is not None else None
+    return found is not None and slot in found.counts
 
 
 def _other_sequences(

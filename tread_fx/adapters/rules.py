@@ -77,22 +77,35 @@ def _rows(side: SideValue, *, per_sample: bool, features_last: bool) -> RowMap |
 
 
 def _received_as_rotary(side: SideValue) -> bool:
-    """Received only under rotary names: the known ones, or names holding ``rope``,
-    ``rotary`` or ``freqs`` (``cond_rope``, ``text_freqs``)."""
-    return bool(side.arg_names) and all(
-        any(p in _ROTARY_NAMES or any(r in p for r in _ROTARY_PARTS) for p in n.split("."))
-        for n in side.arg_names
-    )
+    """The blocks combine it elementwise with the stream (or q/k) along a token dim: a
+    rotary or positional table, a per-token gate or modulation (``passes/uses.py``)."""
+    return side.use == "table"
 
 
 def _rope_rows(side: SideValue, per_sample: bool) -> RowMap | None:
     if not _received_as_rotary(side):
         return None
-    return _rows(side, per_sample=per_sample, features_last=True)
+    return _rows(side, per_sample=per_sample, features_last=_has_features(side))
+
+
+def _has_features(side: SideValue) -> bool:
+    """A table has a feature dim last unless only its last dim has as many rows as the
+    routed tokens (one value per token: [N], [B, N], [1, N])."""
+    is_table, batch = _table_batch(side)
+    if not is_table:
+        return False
+    shape = tensor_metas(side.meta)[0].shape
+    long = [d for d, s in enumerate(shape) if d != batch and s >= side.stream.routable]
+    return long != [len(shape) - 1]
+
+
+def _is_mask(side: SideValue) -> bool:
+    """The blocks use it on attention scores (``passes/uses.py``)."""
+    return side.use == "mask"
 
 
 def _mask_rows(side: SideValue, per_sample: bool) -> RowMap | None:
-    if not _received_as(side, _MASK_NAMES):
+    if not _is_mask(side):
         return None
     return _rows(side, per_sample=per_sample, features_last=False)
 
@@ -112,7 +125,9 @@ def _covers_tokens(side: SideValue, features_last: bool) -> bool:
 def _rope_of_a_shorter_stream(side: SideValue) -> bool:
     """A rotary table none of whose rows can be the routed tokens' (fewer rows than them)."""
     is_table, _ = _table_batch(side)
-    return is_table and _received_as_rotary(side) and not _covers_tokens(side, True)
+    if not (is_table and _received_as_rotary(side)):
+        return False
+    return not _covers_tokens(side, _has_features(side))
 
 
 def _why_not(received, features_last: bool):
@@ -143,7 +158,7 @@ _POSITION_NAMES = frozenset({"position_ids", "cache_position", "pos_ids", "posit
 
 
 def _position_rows(side: SideValue, per_sample: bool) -> RowMap | None:
-    if not _received_as(side, _POSITION_NAMES):
+    if side.use != "ids":
         return None
     is_table, batch = _table_batch(side)
     if not is_table or (batch is not None) != per_sample:
@@ -230,17 +245,13 @@ def _per_token_modulation(side: SideValue) -> bool:
     """A conditioning value with one modulation set per token: [B, N, k, d] (rank above 3)."""
     metas = tensor_metas(side.meta)
     return (
-        side.token_aligned
-        and bool(side.arg_names)
-        and _received_as(side, _CONTEXT_NAMES)
-        and metas is not None
-        and len(metas[0].shape) > 3
+        side.token_aligned and side.use == "table" and metas is not None and len(metas[0].shape) > 3
     )
 
 
 def _folded_rows(side: SideValue) -> bool:
     """A [B * N, ...] value not received as a RoPE table or a mask (see folded_rows)."""
-    tables = _received_as_rotary(side) or _received_as(side, _MASK_NAMES)
+    tables = _received_as_rotary(side) or _is_mask(side)
     return not tables and rows_per_token(side) is not None
 
 
@@ -298,8 +309,8 @@ BUILTIN_ADAPTERS: tuple[Adapter, ...] = (
         builtin=True,
     ),
     Adapter(
-        name="conditioning-by-name",
-        matches=lambda side: _received_as(side, _CONTEXT_NAMES),
+        name="context",
+        matches=lambda side: side.use == "context",
         action="pass",
         doc=(
             "Values that blocks receive only under conditioning/context argument names "
@@ -387,7 +398,7 @@ BUILTIN_ADAPTERS: tuple[Adapter, ...] = (
         action=take_rows,
         options=lambda side: _mask_rows(side, False).options(None),
         shares_selection=True,
-        diagnose=_why_not(lambda side: _received_as(side, _MASK_NAMES), features_last=False),
+        diagnose=_why_not(_is_mask, features_last=False),
         doc=(
             "A mask received under a mask argument name without a batch dim ([N, N], "
             "[1, 1, N, N]): indexed along its token dims with a selection shared across "
@@ -396,7 +407,7 @@ BUILTIN_ADAPTERS: tuple[Adapter, ...] = (
         builtin=True,
     ),
     Adapter(
-        name="position-ids",
+        name="ids",
         matches=lambda side: _position_rows(side, per_sample=True) is not None,
         action=take_rows,
         options=lambda side: _position_rows(side, True).options(_table_batch(side)[1]),
@@ -407,7 +418,7 @@ BUILTIN_ADAPTERS: tuple[Adapter, ...] = (
         builtin=True,
     ),
     Adapter(
-        name="position-ids-shared",
+        name="ids-shared",
         matches=lambda side: _position_rows(side, per_sample=False) is not None,
         action=take_rows,
         options=lambda side: _position_rows(side, False).options(None),
@@ -420,7 +431,7 @@ BUILTIN_ADAPTERS: tuple[Adapter, ...] = (
     ),
     Adapter(
         name="token-index-shared",
-        matches=lambda side: _token_index_rows(side) is not None,
+        matches=lambda side: side.use is None and _token_index_rows(side) is not None,
         action=take_rows,
         options=lambda side: _token_index_rows(side).options(None),
         shares_selection=True,
