@@ -24,6 +24,7 @@ import torch
 import torch.fx as fx
 
 from tread_fx.adapters import SideValue, StreamLayout, adapters
+from tread_fx.adapters.hints import hinted_use
 from tread_fx.adapters.values import NO_BATCH_DIM
 from tread_fx.errors import InvalidRateError, SelectionError, SideInputError, TokenStreamError
 from tread_fx.passes.dataflow import data_ancestors
@@ -196,6 +197,8 @@ def _side_value(g, node, users, region, info, layout, block_nodes, uses) -> Side
         for u in users
     )
     meta = node.meta.get("tread_meta")
+    use = use.value if use is not None else None
+    hint = hinted_use(frozenset(names)) if use in (None, "unknown") else None
     return SideValue(
         node=node,
         meta=meta,
@@ -206,8 +209,9 @@ def _side_value(g, node, users, region, info, layout, block_nodes, uses) -> Side
         from_stream=node is info.primary or nx.has_path(g, info.primary, node),
         combined_with_stream=combined,
         from_inputs=_from_inputs(node),
-        use=use.value if use is not None else None,
+        use=hint or use,
         reaches=frozenset(reached_ops(node, receiving)),
+        hinted=hint is not None,
     )
 
 
@@ -228,6 +232,9 @@ def _classify_entering(side: SideValue, users, carried_slot, family, strict: boo
         if adapter.matches(side):
             options = adapter.options(side) if adapter.options is not None else {}
             reason = f"adapter '{adapter.name}'"
+            if side.hinted and adapter.builtin:
+                reason += f" (by the name {sorted(side.arg_names)})"
+                warnings.warn(_hint_warning(side, adapter.name), stacklevel=2)
             return Crossing(
                 node, adapter.action, reason, users, None, options, adapter.shares_selection
             )
@@ -252,10 +259,23 @@ def _classify_entering(side: SideValue, users, carried_slot, family, strict: boo
     return Crossing(node, "pass", "not token-aligned", users)
 
 
+def _hint_warning(side: SideValue, rule: str) -> str:
+    how = _how_used(side).strip()
+    return (
+        f"value '{side.node.name}' {sorted(side.arg_names)} was fitted to the kept tokens "
+        f"by rule '{rule}' because of its argument name ({side.use}): {how} Renaming the "
+        "argument would change this; register a tread_fx.adapters.Adapter for the value to "
+        "decide it explicitly."
+    )
+
+
 def _how_used(side: SideValue) -> str:
     """What the blocks do with an unclassified value (see ``passes/uses.py``)."""
-    if side.use is None:
-        return " No block receiving it could be traced through to see how it is used."
+    if side.use is None or side.hinted:
+        if not side.reaches:
+            return " No block receiving it could be traced through to see how it is used."
+        ops = ", ".join(sorted(side.reaches))
+        return f" It meets the stream in {ops}, which tread_fx cannot see into."
     ops = ", ".join(sorted(side.reaches)) or "nothing"
     return (
         f" The blocks use it in {ops}, none of which says which dims are tokens (no "

@@ -3,29 +3,30 @@
 Each routed block class is traced through once on the real inputs it received while the
 model was traced (the machinery of :mod:`tread_fx.passes.inline_tables`), with every int
 argument replaced by a tagged int that remembers where it came from. Each tensor input is
-then followed forward through the block's graph, and the first of these uses it meets
-decides what it is:
+then followed forward through the block's tensor data flow (a size read is no data), and
+the uses it meets decide what it is (first match in this order):
 
-==========================================================  ==========  ====================
-use in the block                                            kind        what the route does
-==========================================================  ==========  ====================
-``attn_mask`` of ``scaled_dot_product_attention``, added    ``mask``    cut on every token dim
-to ``q @ k^T`` scores, the mask of ``masked_fill``/``where``
-elementwise with the stream (or q/k) along a non-feature    ``table``   gathered on the token
-dim of the same size (RoPE cos/sin, gates, modulation)                  dim
-indexes an embedding or a table (``embedding``,             ``ids``     gathered
-``index_select``, advanced indexing)
-none of the above (per-sample, global, a text context)      ``none``    passed
-==========================================================  ==========  ====================
+- ``mask``: the ``attn_mask`` of ``scaled_dot_product_attention`` or
+  ``nn.MultiheadAttention``, added to ``q @ k^T`` scores, the mask of ``masked_fill`` or
+  ``where``: cut on every token dim.
+- ``ids``: indexes an embedding or a table (``embedding``, ``index_select``, ``gather``,
+  advanced indexing): gathered.
+- ``table``: elementwise with the stream (or q/k) on a non-last dim of a token count
+  (RoPE cos/sin after a head split, gates, per-token modulation), or concatenated with the
+  stream beside its tokens: gathered on the token dim.
+- ``context``: a matmul/attention operand against the stream (cross-attention keys and
+  values), or concatenated to the stream along the tokens: passed.
+- ``unknown``: it meets the stream only in an op tread_fx cannot see into (a leaf module):
+  decided by shape, or by a name hint that is reported (:mod:`tread_fx.adapters.hints`).
+- ``none``: none of these (per-sample, global, unused): passed.
 
-An int argument is a ``count`` only if it sizes, slices or splits a token dim of a tensor
-(``view``/``reshape``/``unflatten`` of the stream's token dim, ``x[:, -n:]``, ``split``,
-``narrow``); any other int (a head dim equal to the token count by coincidence) is never
-rewritten. A block that cannot be traced through has no uses (``None``): the rules then
-decide by shape alone, and strict mode refuses what stays ambiguous.
+An int argument is a count only if it sizes, slices or splits a token dim of a tensor
+computed from the stream (``view``/``reshape``/``unflatten`` of its token dim,
+``x[:, -n:]``, ``split``, ``narrow``); any other int (a head dim equal to the token count
+by coincidence) is never rewritten. A block that cannot be traced through has no uses
+(``None``).
 
-Names play no part: :func:`hints` reports the names a value is received under, for
-``explain`` only.
+Names play no part here; the plan shows them as hints.
 
 Example:
     >>> Use.MASK.value
@@ -58,11 +59,11 @@ class Use(str, Enum):
     TABLE = "table"
     IDS = "ids"
     CONTEXT = "context"
-    COUNT = "count"
+    UNKNOWN = "unknown"
     NONE = "none"
 
 
-_ORDER = (Use.MASK, Use.IDS, Use.TABLE, Use.CONTEXT)
+_ORDER = (Use.MASK, Use.IDS, Use.TABLE, Use.CONTEXT, Use.UNKNOWN)
 
 
 class _Tagged(int):
@@ -121,9 +122,14 @@ _SPLIT = {"split", "split_with_sizes", "narrow", "tensor_split"}
 
 
 def _name(node: fx.Node) -> str:
+    return "module" if node.op == "call_module" else _op_name(node)
+
+
+def _op_name(node: fx.Node) -> str:
+    """The op's name, a leaf module's path for messages."""
     target = node.target
     if node.op == "call_module":
-        return "module"
+        return str(target).removeprefix("model.")
     return target if isinstance(target, str) else getattr(target, "__name__", str(target))
 
 
@@ -216,6 +222,8 @@ def _tensor_use(node: fx.Node, reach: set[fx.Node], stream: set[fx.Node], ctx) -
         if any(_aligned(_shape(a), _shape(t), tokens, dim) for a in mine for t in theirs):
             return Use.TABLE
         return Use.CONTEXT
+    if mine and theirs and name not in _ELEMENTWISE:
+        return Use.UNKNOWN  # an op tread_fx cannot see into meets it and the stream
     return None
 
 
@@ -228,7 +236,7 @@ def _module_use(module: nn.Module, node: fx.Node, reach: set, theirs: list) -> U
         if any(m in reach for m in masks if m is not None):
             return Use.MASK
         return Use.CONTEXT if theirs else None
-    return None
+    return Use.UNKNOWN if theirs else None
 
 
 def _classify_tensor(start: fx.Node, stream: set[fx.Node], ctx) -> Use:
@@ -357,8 +365,8 @@ def _class_uses(gm, block: BlockCall, example: Any, leaves, tokens, token_dim):
         Use.TABLE if i == stream_at else _classify_tensor(ph, stream, ctx)
         for i, ph in enumerate(placeholders)
     ]
-    counts = set().union(*(_count_slots(n, tokens) for n in traced.gm.graph.nodes))
-    ops = [frozenset(_name(u) for u in ph.users) for ph in placeholders]
+    counts = set().union(*(_count_slots(n, tokens) for n in stream if n.op != "placeholder"))
+    ops = [frozenset(_op_name(u) for u in ph.users) for ph in placeholders]
     return uses, counts, ops
 
 

@@ -89,6 +89,8 @@ class SideValue:
             when no block receiving it could be traced through. Built-in rules decide by
             this and the shapes; ``arg_names`` are hints for ``explain`` and user adapters.
         reaches: Names of the block ops that read it first (for refusal messages).
+        hinted: ``use`` comes from an argument name (:mod:`tread_fx.adapters.hints`)
+            because the blocks' use could not tell; reported with a warning.
     """
 
     node: fx.Node
@@ -102,6 +104,7 @@ class SideValue:
     from_inputs: bool = False
     use: str | None = None
     reaches: frozenset[str] = frozenset()
+    hinted: bool = False
 
     def dims_of_size(self, size: int) -> list[int]:
         """Dims (other than batch) of the value whose size is ``size``."""
