@@ -379,8 +379,14 @@ def _topo_index(node: fx.Node) -> int:
     return index[node]
 
 
-def _height_arguments(info, route: Route, layout: StreamLayout, strategy: Strategy) -> list:
-    heights = grid_arguments(info, route, layout.grid)
+def _height_arguments(info, route, layout: StreamLayout, strategy: Strategy, uses) -> list:
+    """Blocks told the patch grid's height: ints equal to the grid that the block uses to
+    reshape its tokens (in a block that cannot be traced through, by value alone)."""
+    heights = [
+        (node, slot)
+        for node, slot in grid_arguments(info, route, layout.grid)
+        if uses.get(node) is None or slot in uses[node].counts
+    ]
     if heights and not strategy.needs_grid:
         node, _ = heights[0]
         *frames, h, w = layout.grid
@@ -470,7 +476,7 @@ def plan_route(
             "around): the routed blocks would see no fewer tokens and the route would save "
             f"nothing. Raise the rate to at least {1 / units:.3g}, or drop the route."
         )
-    heights = _height_arguments(info, route, layout, strategy)
+    heights = _height_arguments(info, route, layout, strategy, uses)
     segments = segment_boundaries(entering) if layout.batch_size == 1 else None
     if layout.batch_dim == NO_BATCH_DIM or segments is not None:
         check_packed_strategy(strategy.name, strategy.needs_grid)
