@@ -196,6 +196,7 @@ def test_explain_shows_the_rules_that_decided():
     exp = str(tread_fx.explain(SIDE.model(), SIDE.routes, 0.5, _inputs()[0], flops=False))
     for rule in ("rope-batch-shared", "attention-mask", "ids-shared", "context"):
         assert f"adapter '{rule}'" in exp, rule
+    assert "tells blocks.1 'count'" in exp and "'head_dim'" not in exp
 
 
 class OpaqueBlock(nn.Module):
