@@ -2,7 +2,7 @@
 
 Each rule is an :class:`~tread_fx.adapters.registry.Adapter`; its ``doc`` says what it
 assumes. The registry consults user adapters first, then these:
-``broadcast-over-tokens``, ``per-token-modulation``, ``context``, ``not-per-token``,
+``broadcast-over-tokens``, ``context``, ``not-per-token``,
 ``rope-per-sample``,
 ``rope-batch-shared``, ``rope-other-stream``, ``attention-mask``,
 ``attention-mask-shared``, ``ids``, ``ids-shared``, ``token-index-shared``,
@@ -54,14 +54,14 @@ def _rows(side: SideValue, *, per_sample: bool, features_last: bool) -> RowMap |
     return find_rows(side, batch=batch, features_last=features_last, all_dims=not features_last)
 
 
-def _received_as_rotary(side: SideValue) -> bool:
+def _is_table(side: SideValue) -> bool:
     """The blocks combine it elementwise with the stream (or q/k) along a token dim: a
     rotary or positional table, a per-token gate or modulation (``passes/uses.py``)."""
     return side.use == "table"
 
 
 def _rope_rows(side: SideValue, per_sample: bool) -> RowMap | None:
-    if not _received_as_rotary(side):
+    if not _is_table(side):
         return None
     return _rows(side, per_sample=per_sample, features_last=_has_features(side))
 
@@ -103,7 +103,7 @@ def _covers_tokens(side: SideValue, features_last: bool) -> bool:
 def _rope_of_a_shorter_stream(side: SideValue) -> bool:
     """A rotary table none of whose rows can be the routed tokens' (fewer rows than them)."""
     is_table, _ = _table_batch(side)
-    if not (is_table and _received_as_rotary(side)):
+    if not (is_table and _is_table(side)):
         return False
     return not _covers_tokens(side, _has_features(side))
 
@@ -196,17 +196,9 @@ def _expanded_over_tokens(side: SideValue) -> bool:
     return isinstance(source, TensorMeta) and dim < len(source.shape) and source.shape[dim] == 1
 
 
-def _per_token_modulation(side: SideValue) -> bool:
-    """A conditioning value with one modulation set per token: [B, N, k, d] (rank above 3)."""
-    metas = tensor_metas(side.meta)
-    return (
-        side.token_aligned and side.use == "table" and metas is not None and len(metas[0].shape) > 3
-    )
-
-
 def _folded_rows(side: SideValue) -> bool:
     """A [B * N, ...] value not received as a RoPE table or a mask (see folded_rows)."""
-    tables = _received_as_rotary(side) or _is_mask(side)
+    tables = _is_table(side) or _is_mask(side)
     return not tables and rows_per_token(side) is not None
 
 
@@ -253,18 +245,6 @@ BUILTIN_ADAPTERS: tuple[Adapter, ...] = (
         builtin=True,
     ),
     Adapter(
-        name="per-token-modulation",
-        matches=_per_token_modulation,
-        action="gather",
-        doc=(
-            "A value of rank 4 or more with the batch and token dims of the stream that the "
-            "blocks combine elementwise with the stream per token, e.g. a per-token adaLN "
-            "modulation [B, N, 6, d] (per-token timesteps): each token's modulation set is "
-            "gathered with its kept ids."
-        ),
-        builtin=True,
-    ),
-    Adapter(
         name="context",
         matches=lambda side: side.use == "context",
         action="pass",
@@ -296,7 +276,8 @@ BUILTIN_ADAPTERS: tuple[Adapter, ...] = (
             "A table the blocks combine elementwise with the stream or q/k along a token dim "
             "(RoPE cos/sin, positional tables, gates) that has the batch dim (size B) and "
             "one other non-feature dim of N (or N - prefix) rows, features last unless only "
-            "the last dim has token rows ([B, N] per-token weights): each sample's "
+            "the last dim has token rows ([B, N] per-token weights; a per-token adaLN "
+            "modulation [B, N, 6, d] is one too): each sample's "
             "rows are gathered with its kept ids. Tables with extra rows (T + N) are cut only "
             "when a concatenation in the graph shows where the N token rows are."
         ),
@@ -308,7 +289,7 @@ BUILTIN_ADAPTERS: tuple[Adapter, ...] = (
         action=take_rows,
         options=lambda side: _rope_rows(side, False).options(None),
         shares_selection=True,
-        diagnose=_why_not(_received_as_rotary, features_last=True),
+        diagnose=_why_not(_is_table, features_last=True),
         doc=(
             "A table the blocks combine elementwise with the stream or q/k along a token dim "
             "(RoPE), without a batch dim (or "
