@@ -98,11 +98,14 @@ class FloatVector(TaggedTokens):
         return self.out(x)
 
 
-def test_a_vector_of_n_entries_not_used_per_token_is_refused():
+def test_a_vector_of_n_entries_used_as_a_whole_is_passed_whole():
+    """[N] floats the blocks only reduce (a global statistic) are no per-token values."""
     case = Case("float", FloatVector, _inputs, routes=[(1, 4)])
     model = case.route(case.model()).train()
-    with pytest.raises(tread_fx.errors.SideInputError, match="weights"):
+    with capture_block_inputs(model.blocks[2]) as calls:
         model(*_inputs()[0])
+    *_, (args, _) = calls
+    assert args[0].shape[1] == N // 2 and torch.equal(args[1], torch.linspace(0, 1, N))
 
 
 @pytest.mark.parametrize(
