@@ -43,7 +43,7 @@ from tread_fx.passes.streams import (
 )
 from tread_fx.passes.token_counts import count_arguments
 from tread_fx.passes.trace import TensorMeta
-from tread_fx.passes.uses import block_uses, reached_ops, value_uses
+from tread_fx.passes.uses import hint_warning, how_used, reached_ops, route_uses, value_uses
 from tread_fx.routes import Route
 from tread_fx.runtime.selection import Strategy, kept_units
 
@@ -234,7 +234,7 @@ def _classify_entering(side: SideValue, users, carried_slot, family, strict: boo
             reason = f"adapter '{adapter.name}'"
             if side.hinted and adapter.builtin:
                 reason += f" (by the name {sorted(side.arg_names)})"
-                warnings.warn(_hint_warning(side, adapter.name), stacklevel=2)
+                warnings.warn(hint_warning(side, adapter.name), stacklevel=2)
             return Crossing(
                 node, adapter.action, reason, users, None, options, adapter.shares_selection
             )
@@ -248,7 +248,7 @@ def _classify_entering(side: SideValue, users, carried_slot, family, strict: boo
             "tokens. Register a tread_fx.adapters.Adapter for it (action 'gather' or 'pass'), "
             "or pass strict=False to gather token-aligned values and pass the rest."
         )
-        message += _how_used(side)
+        message += how_used(side)
         if notes:
             message += " Rules meant for it declined: " + "; ".join(notes) + "."
         if strict:
@@ -257,30 +257,6 @@ def _classify_entering(side: SideValue, users, carried_slot, family, strict: boo
         action = "gather" if side.token_aligned else "pass"
         return Crossing(node, action, "non-strict guess", users)
     return Crossing(node, "pass", "not token-aligned", users)
-
-
-def _hint_warning(side: SideValue, rule: str) -> str:
-    how = _how_used(side).strip()
-    return (
-        f"value '{side.node.name}' {sorted(side.arg_names)} was fitted to the kept tokens "
-        f"by rule '{rule}' because of its argument name ({side.use}): {how} Renaming the "
-        "argument would change this; register a tread_fx.adapters.Adapter for the value to "
-        "decide it explicitly."
-    )
-
-
-def _how_used(side: SideValue) -> str:
-    """What the blocks do with an unclassified value (see ``passes/uses.py``)."""
-    if side.use is None or side.hinted:
-        if not side.reaches:
-            return " No block receiving it could be traced through to see how it is used."
-        ops = ", ".join(sorted(side.reaches))
-        return f" It meets the stream in {ops}, which tread_fx cannot see into."
-    ops = ", ".join(sorted(side.reaches)) or "nothing"
-    return (
-        f" The blocks use it in {ops}, none of which says which dims are tokens (no "
-        "attention mask, elementwise table, ids or attended context)."
-    )
 
 
 def _entering(g, plan_args, region, info, layout, strict) -> list[Crossing]:
@@ -446,7 +422,7 @@ def plan_route(
         folded=info.folded,
     )
     start = info.blocks[route.start]
-    uses = _uses(gm, info, route, layout)
+    uses = route_uses(gm, info.blocks[route.start : route.end], layout, info.token_dim)
     entering = _entering(g, (start, stream_start, uses), region, info, layout, strict)
     non_token = non_token_carried(g, info, route)
     leaving = _leaving(region, info, route, (stream_start, stream_end), entering, layout, non_token)
@@ -509,12 +485,6 @@ def plan_route(
     )
 
 
-def _uses(gm: fx.GraphModule, info: StreamInfo, route: Route, layout: StreamLayout) -> dict:
-    """How the route's blocks use their inputs (see :mod:`tread_fx.passes.uses`)."""
-    tokens = {layout.num_tokens, layout.num_tokens - layout.prefix, layout.routable}
-    return block_uses(gm, info.blocks[route.start : route.end], tokens, info.token_dim)
-
-
 def _batch_size(info: StreamInfo, shape: tuple) -> int:
     """The stream's batch size (1 for a packed stream, which has no batch dim)."""
     return info.batch_size if info.batch_dim == NO_BATCH_DIM else shape[info.batch_dim]
@@ -538,7 +508,7 @@ def _plan_piece(gm, g, info, route: Route, follows: RoutePlan, change, strict) -
         folded=info.folded,
     )
     start = info.blocks[route.start]
-    uses = _uses(gm, info, route, layout)
+    uses = route_uses(gm, info.blocks[route.start : route.end], layout, info.token_dim)
     entering = _entering(g, (start, stream_start, uses), region, info, layout, strict)
     non_token = non_token_carried(g, info, route)
     leaving = _leaving(region, info, route, (stream_start, stream_end), entering, layout, non_token)

@@ -42,14 +42,23 @@ from typing import Any
 import torch.fx as fx
 from torch import nn
 
-from tread_fx.adapters.values import TensorMeta
+from tread_fx.adapters.values import SideValue, TensorMeta
 from tread_fx.passes.inline_tables import _example_of, _flat_inputs, _is_tensorish
 from tread_fx.passes.locate import BlockCall, input_slots
 from tread_fx.passes.stacks import argument_items
 from tread_fx.passes.trace import trace_call
 from tread_fx.passes.trace_support import has_call_hooks
 
-__all__ = ["Use", "BlockUses", "block_uses", "reached_ops", "value_uses"]
+__all__ = [
+    "Use",
+    "BlockUses",
+    "block_uses",
+    "route_uses",
+    "reached_ops",
+    "value_uses",
+    "how_used",
+    "hint_warning",
+]
 
 
 class Use(str, Enum):
@@ -447,3 +456,46 @@ def value_uses(node: fx.Node, found: dict[fx.Node, BlockUses | None]) -> Use | N
         if use in uses:
             return use
     return None
+
+
+def route_uses(gm: fx.GraphModule, blocks: list[BlockCall], layout: Any, token_dim: int) -> dict:
+    """:func:`block_uses` for a route's blocks, with the stream layout's token counts.
+
+    Example:
+        >>> # driven by tread_fx.passes.plan.plan_route
+    """
+    tokens = {layout.num_tokens, layout.num_tokens - layout.prefix, layout.routable}
+    return block_uses(gm, blocks, tokens, token_dim)
+
+
+def hint_warning(side: SideValue, rule: str) -> str:
+    """The warning for a value a name hint decided (see :mod:`tread_fx.adapters.hints`).
+
+    Example:
+        >>> # see tests/test_third_party_transformers.py (a mask inside a leaf mixer)
+    """
+    how = how_used(side).strip()
+    return (
+        f"value '{side.node.name}' {sorted(side.arg_names)} was fitted to the kept tokens "
+        f"by rule '{rule}' because of its argument name ({side.use}): {how} Renaming the "
+        "argument would change this; register a tread_fx.adapters.Adapter for the value to "
+        "decide it explicitly."
+    )
+
+
+def how_used(side: SideValue) -> str:
+    """What the blocks do with an unclassified value, for refusal messages.
+
+    Example:
+        >>> # see tests/test_adapters.py (a table handed to a leaf module)
+    """
+    if side.use is None or side.hinted:
+        if not side.reaches:
+            return " No block receiving it could be traced through to see how it is used."
+        ops = ", ".join(sorted(side.reaches))
+        return f" It meets the stream in {ops}, which tread_fx cannot see into."
+    ops = ", ".join(sorted(side.reaches)) or "nothing"
+    return (
+        f" The blocks use it in {ops}, none of which says which dims are tokens (no "
+        "attention mask, elementwise table, ids or attended context)."
+    )
