@@ -452,6 +452,8 @@ def value_uses(node: fx.Node, found: dict[fx.Node, BlockUses | None]) -> Use | N
         if uses_of_block is None:
             continue
         uses |= {u for (n, _), u in uses_of_block.tensors.items() if n is node}
+    if any(u is None for u in found.values()):
+        uses.discard(Use.NONE)  # a block that could not be traced through may use it
     for use in (*_ORDER, Use.NONE):
         if use in uses:
             return use
