@@ -239,3 +239,45 @@ def test_a_rotary_name_does_not_make_a_table():
 @pytest.mark.parametrize("check", INVARIANTS, ids=lambda f: f.__name__)
 def test_invariants(check):
     check(SIDE)
+
+
+class _Hooked(nn.Linear):
+    """A part with a forward hook: its block is never traced through (the hook must not run
+    an extra time)."""
+
+
+class UsesTable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix = _Hooked(D, D)
+        self.mix.register_forward_pre_hook(lambda module, args: None)
+
+    def forward(self, x, table):
+        return x + self.mix(x + table)
+
+
+class IgnoresTable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix = nn.Linear(D, D)
+
+    def forward(self, x, table):
+        return x + self.mix(x)
+
+
+class Hybrid(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([UsesTable(), IgnoresTable(), UsesTable(), IgnoresTable()])
+
+    def forward(self, x, table):
+        for block in self.blocks:
+            x = block(x, table)
+        return x
+
+
+def test_a_value_an_untraceable_block_receives_is_never_taken_for_unused():
+    """The traced blocks ignore the table, the others cannot be seen into: not 'none'."""
+    model = tread_fx.route(Hybrid(), routes=[(0, 4)], seed=0).train()
+    with pytest.raises(tread_fx.SideInputError, match=r"\[.table.\].*traced through"):
+        model(torch.randn(B, N, D), torch.randn(B, N, D))
