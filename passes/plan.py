@@ -24,6 +24,7 @@ import torch
 import torch.fx as fx
 
 from tread_fx.adapters import SideValue, StreamLayout, adapters
+from tread_fx.adapters.hints import hinted_use
 from tread_fx.adapters.values import NO_BATCH_DIM
 from tread_fx.errors import InvalidRateError, SelectionError, SideInputError, TokenStreamError
 from tread_fx.passes.dataflow import data_ancestors
@@ -42,6 +43,7 @@ from tread_fx.passes.streams import (
 )
 from tread_fx.passes.token_counts import count_arguments
 from tread_fx.passes.trace import TensorMeta
+from tread_fx.passes.uses import hint_warning, how_used, reached_ops, route_uses, value_uses
 from tread_fx.routes import Route
 from tread_fx.runtime.selection import Strategy, kept_units
 
@@ -177,8 +179,10 @@ def _dict_keys_holding(block: Any, user: fx.Node, node: fx.Node) -> set[str]:
     }
 
 
-def _side_value(g, node, users, region, info, layout, block_nodes) -> SideValue:
+def _side_value(g, node, users, region, info, layout, block_nodes, uses) -> SideValue:
     names, classes = set(), set()
+    receiving = {u: uses.get(u) for u in users if u in block_nodes}
+    use = value_uses(node, receiving)
     for user in users:
         if user in block_nodes:
             for key, arg in input_slots(user).items():
@@ -193,6 +197,8 @@ def _side_value(g, node, users, region, info, layout, block_nodes) -> SideValue:
         for u in users
     )
     meta = node.meta.get("tread_meta")
+    use = use.value if use is not None else None
+    hint = hinted_use(frozenset(names)) if use in (None, "unknown") else None
     return SideValue(
         node=node,
         meta=meta,
@@ -203,6 +209,9 @@ def _side_value(g, node, users, region, info, layout, block_nodes) -> SideValue:
         from_stream=node is info.primary or nx.has_path(g, info.primary, node),
         combined_with_stream=combined,
         from_inputs=_from_inputs(node),
+        use=hint or use,
+        reaches=frozenset(reached_ops(node, receiving)),
+        hinted=hint is not None,
     )
 
 
@@ -223,6 +232,9 @@ def _classify_entering(side: SideValue, users, carried_slot, family, strict: boo
         if adapter.matches(side):
             options = adapter.options(side) if adapter.options is not None else {}
             reason = f"adapter '{adapter.name}'"
+            if side.hinted and adapter.builtin:
+                reason += f" (by the name {sorted(side.arg_names)})"
+                warnings.warn(hint_warning(side, adapter.name), stacklevel=2)
             return Crossing(
                 node, adapter.action, reason, users, None, options, adapter.shares_selection
             )
@@ -236,6 +248,7 @@ def _classify_entering(side: SideValue, users, carried_slot, family, strict: boo
             "tokens. Register a tread_fx.adapters.Adapter for it (action 'gather' or 'pass'), "
             "or pass strict=False to gather token-aligned values and pass the rest."
         )
+        message += how_used(side)
         if notes:
             message += " Rules meant for it declined: " + "; ".join(notes) + "."
         if strict:
@@ -247,7 +260,7 @@ def _classify_entering(side: SideValue, users, carried_slot, family, strict: boo
 
 
 def _entering(g, plan_args, region, info, layout, strict) -> list[Crossing]:
-    start, stream_start = plan_args
+    start, stream_start, uses = plan_args
     block_nodes = {b.node: _module_of(b) for b in info.blocks}
     start_slots = {n: k for k, n in input_slots(start.node).items()}
     family = family_slots(g, info, start)
@@ -262,7 +275,7 @@ def _entering(g, plan_args, region, info, layout, strict) -> list[Crossing]:
             crossings.append(Crossing(value, "gather", "token stream", users))
             continue
         slot = start_slots.get(value)
-        side = _side_value(g, value, users, region, info, layout, block_nodes)
+        side = _side_value(g, value, users, region, info, layout, block_nodes, uses)
         carried_slot = slot if slot in carried and start.node in users else None
         crossings.append(_classify_entering(side, users, carried_slot, family, strict))
     return crossings
@@ -342,8 +355,14 @@ def _topo_index(node: fx.Node) -> int:
     return index[node]
 
 
-def _height_arguments(info, route: Route, layout: StreamLayout, strategy: Strategy) -> list:
-    heights = grid_arguments(info, route, layout.grid)
+def _height_arguments(info, route, layout: StreamLayout, strategy: Strategy, uses) -> list:
+    """Blocks told the patch grid's height: ints equal to the grid that the block uses to
+    reshape its tokens (in a block that cannot be traced through, by value alone)."""
+    heights = [
+        (node, slot)
+        for node, slot in grid_arguments(info, route, layout.grid)
+        if uses.get(node) is None or slot in uses[node].counts
+    ]
     if heights and not strategy.needs_grid:
         node, _ = heights[0]
         *frames, h, w = layout.grid
@@ -403,7 +422,8 @@ def plan_route(
         folded=info.folded,
     )
     start = info.blocks[route.start]
-    entering = _entering(g, (start, stream_start), region, info, layout, strict)
+    uses = route_uses(gm, info.blocks[route.start : route.end], layout, info.token_dim)
+    entering = _entering(g, (start, stream_start, uses), region, info, layout, strict)
     non_token = non_token_carried(g, info, route)
     leaving = _leaving(region, info, route, (stream_start, stream_end), entering, layout, non_token)
     for crossing in leaving:
@@ -432,7 +452,7 @@ def plan_route(
             "around): the routed blocks would see no fewer tokens and the route would save "
             f"nothing. Raise the rate to at least {1 / units:.3g}, or drop the route."
         )
-    heights = _height_arguments(info, route, layout, strategy)
+    heights = _height_arguments(info, route, layout, strategy, uses)
     segments = segment_boundaries(entering) if layout.batch_size == 1 else None
     if layout.batch_dim == NO_BATCH_DIM or segments is not None:
         check_packed_strategy(strategy.name, strategy.needs_grid)
@@ -441,7 +461,7 @@ def plan_route(
     passed = {c.node for c in entering if c.action == "pass"}
     name = lambda block, slot: argument_name(_module_of(block), slot)  # noqa: E731
     counts = count_arguments(
-        info, route, layout.prefix, layout.suffix, kept_tokens, passed, name, set(heights)
+        info, route, layout.prefix, layout.suffix, kept_tokens, passed, name, set(heights), uses
     )
     end_block = info.blocks[route.end] if route.end < info.depth else None
     return RoutePlan(
@@ -488,7 +508,8 @@ def _plan_piece(gm, g, info, route: Route, follows: RoutePlan, change, strict) -
         folded=info.folded,
     )
     start = info.blocks[route.start]
-    entering = _entering(g, (start, stream_start), region, info, layout, strict)
+    uses = route_uses(gm, info.blocks[route.start : route.end], layout, info.token_dim)
+    entering = _entering(g, (start, stream_start, uses), region, info, layout, strict)
     non_token = non_token_carried(g, info, route)
     leaving = _leaving(region, info, route, (stream_start, stream_end), entering, layout, non_token)
     end_block = info.blocks[route.end] if route.end < info.depth else None

@@ -21,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -47,6 +48,7 @@ def count_arguments(
     passed: set[fx.Node],
     name: Callable[[BlockCall, tuple], str],
     skip: set[tuple] = frozenset(),
+    uses: dict | None = None,
 ) -> list[tuple[fx.Node, tuple, int]]:
     """Int arguments of the route's blocks that count tokens of the routed stream.
 
@@ -60,6 +62,10 @@ def count_arguments(
         passed: Values entering the route unchanged (their lengths are other counts).
         name: The parameter name a block's argument slot fills (for messages).
         skip: ``(node, slot)`` pairs already rewritten (the patch grid's height).
+        uses: Per block node, its :class:`~tread_fx.passes.uses.BlockUses`: only an int
+            that sizes, slices or splits a token dim in the block is a count; in a block
+            that cannot be traced through, an int equal to a count is taken for one, with
+            a warning.
 
     Returns:
         ``(block node, slot, number after routing)`` for each argument whose number changes.
@@ -82,19 +88,46 @@ def count_arguments(
         ]  # fmt: skip
         if suffix:
             counts.append(("the never-routed suffix of the stream", suffix, suffix))
-        counts += others
+        counts += [] if _sizes_stream(uses, block) else others
         if block.list_path not in constant_by_list:
             constant_by_list[block.list_path] = _constant_slots(info, block)
         constant = constant_by_list[block.list_path]
         for slot, number in int_arguments(block.node):
             if (block.node, slot) in skip or slot not in constant:
                 continue
+            if not _sizes_tokens(uses, block, slot):
+                continue
             matches = [(what, new) for what, value, new in counts if value == number]
             if len({new for _, new in matches}) > 1:
                 raise SideInputError(_ambiguous(block, name(block, slot), number, matches))
             if matches and matches[0][1] != number:
                 found.append((block.node, slot, matches[0][1]))
+                if uses is not None and uses.get(block.node) is None:
+                    warnings.warn(_guessed(block, name(block, slot), number), stacklevel=2)
     return found
+
+
+def _sizes_stream(uses: dict | None, block: BlockCall) -> bool:
+    """Whether the block's ints were traced to the stream's own shape ops (then a number
+    equal to another sequence's length is still the stream's count)."""
+    return uses is not None and uses.get(block.node) is not None
+
+
+def _sizes_tokens(uses: dict | None, block: BlockCall, slot: tuple) -> bool:
+    """Whether the block uses the int in ``slot`` as a token count (see passes/uses.py); for
+    a block that cannot be traced through, any int may be (the caller warns)."""
+    if uses is None or uses.get(block.node) is None:
+        return True
+    return slot in uses[block.node].counts
+
+
+def _guessed(block: BlockCall, name: str, number: int) -> str:
+    return (
+        f"block {block.index} ({block.path}) receives the number {number} as '{name}', equal "
+        "to a token count, and cannot be traced through to see whether it sizes the tokens; "
+        "it is told the kept count. If it is not a count, route blocks that do not take it "
+        "(blocks=)."
+    )
 
 
 def _other_sequences(

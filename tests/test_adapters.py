@@ -13,15 +13,24 @@ from tread_fx.errors import SideInputError
 N, D = 16, 16
 
 
+@tread_fx.register_leaf_module
+class _Opaque(torch.nn.Module):
+    """A leaf module: tread_fx cannot see what it does with the table."""
+
+    def forward(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        return x + table
+
+
 class _Block(torch.nn.Module):
-    """A block that adds a per-token table it receives under a name no rule knows."""
+    """A block that hands a token-aligned table to an op tread_fx cannot see into, under a
+    name that hints nothing: no rule may guess."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.proj = torch.nn.Linear(D, D)
+        self.proj, self.opaque = torch.nn.Linear(D, D), _Opaque()
 
     def forward(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-        return x + self.proj(x + table)
+        return x + self.proj(self.opaque(x, table))
 
 
 class _TableModel(torch.nn.Module):
@@ -57,7 +66,7 @@ def user_adapter():
 def test_strict_mode_refuses_an_unknown_token_aligned_value_naming_it(shared):
     torch.manual_seed(0)
     model = tread_fx.route(_TableModel(shared), routes=[(1, 3)], seed=0).train()
-    with pytest.raises(SideInputError, match=r"\['table'\].*looks token-aligned"):
+    with pytest.raises(SideInputError, match=r"\['table'\].*looks token-aligned.*opaque"):
         model(*_inputs(shared))
 
 
@@ -116,7 +125,7 @@ def test_non_strict_mode_warns_and_gathers_token_aligned_values():
 def test_builtin_adapters_each_document_their_assumption():
     builtin = [a for a in adapters() if a.builtin]
     names = {a.name for a in builtin}
-    assert {"rope-per-sample", "rope-batch-shared", "rope-timm-eva", "attention-mask",
+    assert {"rope-per-sample", "rope-batch-shared", "context", "attention-mask",
             "attention-mask-shared", "residual", "stream-derived"} <= names  # fmt: skip
     assert all(len(a.doc) > 40 for a in builtin)
 

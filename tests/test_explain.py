@@ -198,17 +198,26 @@ def test_explain_never_modifies_the_model():
         assert torch.equal(model(*args), before_out)
 
 
+@tread_fx.register_leaf_module
+class _Opaque(nn.Module):
+    """A leaf: tread_fx cannot see how it uses the table."""
+
+    def forward(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        return x * table
+
+
 class _Block(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.lin = nn.Linear(8, 8)
+        self.lin, self.opaque = nn.Linear(8, 8), _Opaque()
 
     def forward(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-        return x + self.lin(x) * table
+        return x + self.lin(self.opaque(x, table))
 
 
 class _TableModel(nn.Module):
-    """Blocks receive a per-token table under a name no adapter knows: strict refuses it."""
+    """Blocks hand a token-aligned table to an op tread_fx cannot see into, under a name
+    that hints nothing: strict refuses it."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -131,10 +131,10 @@ def test_frames_as_many_as_tokens_is_refused_not_guessed():
         model(*case.inputs()[0])
 
 
-def _side(shape, rows: int, folded: int, names=frozenset(), inputs: bool = True) -> SideValue:
+def _side(shape, rows: int, folded: int, names=frozenset(), inputs=True, use=None) -> SideValue:
     layout = StreamLayout(0, 1, rows, N, 0, None, folded=folded)
     meta = TensorMeta(shape, torch.float32, torch.device("cpu"))
-    return SideValue(None, meta, names, frozenset(), layout, False, False, False, inputs)
+    return SideValue(None, meta, names, frozenset(), layout, False, False, False, inputs, use)
 
 
 def test_the_rule_matches_values_folding_samples_and_tokens():
@@ -146,7 +146,7 @@ def test_the_rule_matches_values_folding_samples_and_tokens():
     (rule,) = [a for a in adapters() if a.name == "tokens-folded-into-batch"]
     assert rule.matches(_side((B * N, C), B, 1, frozenset({"arg1"})))
     # a [T + N, d] RoPE table with T == N and B == 2 has B * N rows: its own rules decide
-    assert not rule.matches(_side((B * N, C), B, 1, frozenset({"image_rotary_emb"})))
+    assert not rule.matches(_side((B * N, C), B, 1, use="table"))  # the blocks' use decides
     assert rows_per_token(_side((B * N, C), B * N, N)) is None  # F == N: ambiguous
     assert "may be per row (pass) or per token" in why_not_folded(_side((B * N, C), B * N, N))
     assert why_not_folded(_side((B * N, C), B * N, N, frozenset({"arg1"}))) is None

@@ -157,7 +157,7 @@ def test_selection_is_random_within_each_segment():
 def test_explain_names_the_rules():
     args, _ = _inputs()
     exp = str(tread_fx.explain(CASES[0].model(), CASES[0].routes, 0.5, args, flops=False))
-    assert "packed-offsets" in exp and "position-ids-shared" in exp
+    assert "packed-offsets" in exp and "rope-batch-shared" in exp  # positions make a rotary
 
 
 def test_a_grid_selection_is_refused():

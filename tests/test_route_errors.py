@@ -197,14 +197,23 @@ def test_untraceable_forward_names_file_and_line_and_suggests_the_registry():
     assert "random.random" in message
 
 
+class _OpaqueAdd(torch.nn.Module):
+    def forward(self, x, bias):
+        return x + bias
+
+
 def test_token_aligned_side_input_without_a_rule_is_refused_in_strict_mode():
+    """A token-aligned value handed to an op tread_fx cannot see into (a registered leaf),
+    under a name that hints nothing: no rule can tell what it is."""
+    tread_fx.register_leaf_module(_OpaqueAdd)
+
     class PerTokenBias(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.l = torch.nn.Linear(4, 4)
+            self.l, self.add = torch.nn.Linear(4, 4), _OpaqueAdd()
 
         def forward(self, x, bias):
-            return self.l(x) + bias
+            return self.add(self.l(x), bias)
 
     class Model(torch.nn.Module):
         def __init__(self):

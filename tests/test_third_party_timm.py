@@ -73,22 +73,50 @@ def test_every_learning_parameter_gets_a_gradient(name):
     check_gradients(CASES[name])
 
 
+def _eva_per_sample(side) -> bool:
+    """The user's knowledge that EVA's attention also takes a per-sample table."""
+    return side.arg_names == {"rope"} and side.use == "table" and side.token_aligned is False
+
+
+@pytest.mark.parametrize("per_sample", [False, True])
 @pytest.mark.parametrize("name", ["eva-rope", "eva-rope-mixed"])
-def test_eva_rope_table_is_gathered_per_sample_for_the_kept_patches(name):
+def test_eva_rope_table_rows_follow_the_kept_patches(name, per_sample):
+    """By use, EVA's `rope` is a batch-shared table: its rows are cut and the selection is
+    shared. A user adapter (the library-specific fact that EVA's attention also takes a
+    per-sample [B, 1|H, k, d] table) restores a per-sample selection."""
+    from tread_fx.adapters import Adapter, register_adapter, unregister_adapter
+    from tread_fx.adapters.token_tables import find_rows, per_sample_rope_table
+
     case = CASES[name]
     model = case.model()
     with capture_block_inputs(model.blocks[1]) as calls:
         train_forward(model, case)
     table = calls[-1][1]["rope"]  # [N - prefix, d] or per-depth [heads, N - prefix, d]
-    case.route(model)
-    with capture_block_inputs(model.blocks[1]) as calls:
-        train_forward(model, case)
+    adapter = Adapter(
+        "eva-per-sample",
+        _eva_per_sample,
+        per_sample_rope_table,
+        options=lambda side: find_rows(
+            side, batch=None, features_last=True, all_dims=False
+        ).options(None),
+    )
+    if per_sample:
+        register_adapter(adapter)
+    try:
+        case.route(model)
+        with capture_block_inputs(model.blocks[1]) as calls:
+            train_forward(model, case)
+    finally:
+        unregister_adapter(adapter)
     routed = calls[-1][1]["rope"]
     (info,) = tread_fx.route_info(model)
     patches = info.kept[:, info.prefix :] - info.prefix  # [B, k] rows of the table
-    assert not (patches == patches[:1]).all(), "EVA keeps a per-sample selection"
-    heads = table if table.dim() == 3 else table[None]
-    expected = torch.stack([heads[:, rows] for rows in patches])  # [B, heads|1, k, d]
+    assert (patches == patches[:1]).all() != per_sample
+    if per_sample:
+        heads = table if table.dim() == 3 else table[None]
+        expected = torch.stack([heads[:, rows] for rows in patches])  # [B, heads|1, k, d]
+    else:
+        expected = table[..., patches[0], :]
     assert torch.equal(routed, expected)
 
 

@@ -73,7 +73,7 @@ def test_the_tags_follow_the_kept_tokens():
 
 def test_explain_names_the_rule():
     exp = str(tread_fx.explain(CASE.model(), CASE.routes, 0.5, _inputs()))
-    assert "token-index-shared" in exp
+    assert "adapter 'ids-shared'" in exp
 
 
 class WeightedBlock(nn.Module):
@@ -82,7 +82,7 @@ class WeightedBlock(nn.Module):
         self.mix = nn.Linear(D, D)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return x + self.mix(x) * weights[:, None]
+        return x + self.mix(x) * weights.softmax(0).amax()  # not per token
 
 
 class FloatVector(TaggedTokens):
@@ -92,17 +92,20 @@ class FloatVector(TaggedTokens):
 
     def forward(self, x: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
         x = self.embed(x)
-        weights = torch.linspace(0, 1, x.shape[1]) + step  # [N] floats: not assumed per token
+        weights = torch.linspace(0, 1, x.shape[1]) + step  # [N] floats, used as a whole
         for block in self.blocks:
             x = block(x, weights)
         return self.out(x)
 
 
-def test_a_float_vector_of_n_entries_is_not_assumed_per_token():
+def test_a_vector_of_n_entries_used_as_a_whole_is_passed_whole():
+    """[N] floats the blocks only reduce (a global statistic) are no per-token values."""
     case = Case("float", FloatVector, _inputs, routes=[(1, 4)])
     model = case.route(case.model()).train()
-    with pytest.raises(tread_fx.errors.SideInputError, match="weights"):
+    with capture_block_inputs(model.blocks[2]) as calls:
         model(*_inputs()[0])
+    *_, (args, _) = calls
+    assert args[0].shape[1] == N // 2 and torch.equal(args[1], torch.linspace(0, 1, N))
 
 
 @pytest.mark.parametrize(

@@ -2,12 +2,16 @@
 
 Each rule is an :class:`~tread_fx.adapters.registry.Adapter`; its ``doc`` says what it
 assumes. The registry consults user adapters first, then these:
-``broadcast-over-tokens``, ``per-token-modulation``, ``conditioning-by-name``,
-``rope-timm-eva``, ``rope-per-sample``, ``rope-batch-shared``, ``rope-other-stream``,
-``attention-mask``, ``attention-mask-shared``, ``position-ids``, ``position-ids-shared``,
-``token-index-shared``, ``tokens-folded-into-batch``, ``stream-derived``, ``residual``;
-before them, for packed ``[tokens, dim]`` streams only, ``packed-offsets`` and
-``packed-segment-ids``.
+``broadcast-over-tokens``, ``context``, ``not-per-token``,
+``rope-per-sample``,
+``rope-batch-shared``, ``rope-other-stream``, ``attention-mask``,
+``attention-mask-shared``, ``ids``, ``ids-shared``, ``token-index-shared``,
+``tokens-folded-into-batch``, ``stream-derived``, ``residual``; before them, for packed
+``[tokens, dim]`` streams only, ``packed-offsets`` and ``packed-segment-ids``.
+
+No rule reads an argument name or a library: they decide by the value's use in the blocks
+(``SideValue.use``, from :mod:`tread_fx.passes.uses`) and its shape. Names are hints
+(``SideValue.arg_names``) for ``explain`` and for user adapters.
 
 Example:
     >>> from tread_fx.adapters.rules import BUILTIN_ADAPTERS
@@ -26,7 +30,6 @@ from tread_fx.adapters.token_tables import (
     batch_dim_of,
     explain_rows,
     find_rows,
-    per_sample_rope_table,
     take_rows,
     tensor_metas,
 )
@@ -34,31 +37,6 @@ from tread_fx.adapters.values import NO_BATCH_DIM, TensorMeta
 from tread_fx.runtime.packed import kept_offsets
 
 __all__ = ["BUILTIN_ADAPTERS", "PACKED_BOUNDARIES"]
-
-_CONTEXT_NAMES = frozenset(
-    {"encoder_hidden_states", "context", "cond", "condition", "c", "y", "temb", "timestep",
-     "encoder_attention_mask", "text_embeds", "pooled_projections", "added_cond_kwargs"}
-)  # fmt: skip
-
-
-_ROTARY_NAMES = frozenset(
-    {"image_rotary_emb", "rotary_emb", "rotary_pos_emb", "rope", "rot_pos_embed", "rope_emb",
-     "freqs_cis", "freqs", "pos_emb", "position_embeddings", "rotary_embeddings",
-     "rotary_position_embeddings", "freqs_cos", "freqs_sin", "pe"}
-)  # fmt: skip
-_ROTARY_PARTS = ("rope", "rotary", "freqs")
-_MASK_NAMES = frozenset(
-    {"attention_mask", "attn_mask", "mask", "key_padding_mask", "padding_mask",
-     "src_key_padding_mask", "joint_attention_mask"}
-)  # fmt: skip
-
-
-def _received_as(side: SideValue, names: frozenset[str]) -> bool:
-    """Every name ``side`` is received under is one of ``names``; a value inside a dict
-    argument is received as ``argument.key`` and matches when either part does."""
-    return bool(side.arg_names) and all(
-        any(part in names for part in n.split(".")) for n in side.arg_names
-    )
 
 
 def _table_batch(side: SideValue) -> tuple[bool, int | None]:
@@ -76,23 +54,36 @@ def _rows(side: SideValue, *, per_sample: bool, features_last: bool) -> RowMap |
     return find_rows(side, batch=batch, features_last=features_last, all_dims=not features_last)
 
 
-def _received_as_rotary(side: SideValue) -> bool:
-    """Received only under rotary names: the known ones, or names holding ``rope``,
-    ``rotary`` or ``freqs`` (``cond_rope``, ``text_freqs``)."""
-    return bool(side.arg_names) and all(
-        any(p in _ROTARY_NAMES or any(r in p for r in _ROTARY_PARTS) for p in n.split("."))
-        for n in side.arg_names
-    )
+def _is_table(side: SideValue) -> bool:
+    """The blocks combine it elementwise with the stream (or q/k) along a token dim: a
+    rotary or positional table, a per-token gate or modulation (``passes/uses.py``)."""
+    return side.use == "table"
 
 
 def _rope_rows(side: SideValue, per_sample: bool) -> RowMap | None:
-    if not _received_as_rotary(side):
+    if not _is_table(side):
         return None
-    return _rows(side, per_sample=per_sample, features_last=True)
+    return _rows(side, per_sample=per_sample, features_last=_has_features(side))
+
+
+def _has_features(side: SideValue) -> bool:
+    """A table has a feature dim last unless only its last dim has as many rows as the
+    routed tokens (one value per token: [N], [B, N], [1, N])."""
+    is_table, batch = _table_batch(side)
+    if not is_table:
+        return False
+    shape = tensor_metas(side.meta)[0].shape
+    long = [d for d, s in enumerate(shape) if d != batch and s >= side.stream.routable]
+    return long != [len(shape) - 1]
+
+
+def _is_mask(side: SideValue) -> bool:
+    """The blocks use it on attention scores (``passes/uses.py``)."""
+    return side.use == "mask"
 
 
 def _mask_rows(side: SideValue, per_sample: bool) -> RowMap | None:
-    if not _received_as(side, _MASK_NAMES):
+    if not _is_mask(side):
         return None
     return _rows(side, per_sample=per_sample, features_last=False)
 
@@ -112,7 +103,9 @@ def _covers_tokens(side: SideValue, features_last: bool) -> bool:
 def _rope_of_a_shorter_stream(side: SideValue) -> bool:
     """A rotary table none of whose rows can be the routed tokens' (fewer rows than them)."""
     is_table, _ = _table_batch(side)
-    return is_table and _received_as_rotary(side) and not _covers_tokens(side, True)
+    if not (is_table and _is_table(side)):
+        return False
+    return not _covers_tokens(side, _has_features(side))
 
 
 def _why_not(received, features_last: bool):
@@ -124,26 +117,8 @@ def _why_not(received, features_last: bool):
     return diagnose
 
 
-def _from_timm_eva(side: SideValue) -> bool:
-    return any(c.__module__ == "timm.models.eva" for c in side.block_classes)
-
-
-def _eva_rope(side: SideValue) -> RowMap | None:
-    if "rope" not in side.arg_names or not _from_timm_eva(side):
-        return None
-    metas = tensor_metas(side.meta)
-    if metas is None or len(metas[0].shape) not in (2, 3):
-        return None
-    rows = find_rows(side, batch=None, features_last=True, all_dims=False)
-    fits = rows is not None
-    return rows if fits and rows.dims == (len(metas[0].shape) - 2,) else None
-
-
-_POSITION_NAMES = frozenset({"position_ids", "cache_position", "pos_ids", "positions"})
-
-
 def _position_rows(side: SideValue, per_sample: bool) -> RowMap | None:
-    if not _received_as(side, _POSITION_NAMES):
+    if side.use != "ids":
         return None
     is_table, batch = _table_batch(side)
     if not is_table or (batch is not None) != per_sample:
@@ -162,14 +137,6 @@ def _token_index_rows(side: SideValue) -> RowMap | None:
     return find_rows(side, batch=None, features_last=False, all_dims=False)
 
 
-_OFFSET_NAMES = frozenset(
-    {"cu_seqlens", "cu_seq_lens", "cu_seqlens_q", "cu_seqlens_k", "cu_seq_lens_q",
-     "cu_seq_lens_k", "cumulative_seqlens", "cu_lens", "seq_offsets"}
-)  # fmt: skip
-_SEGMENT_NAMES = frozenset(
-    {"segment_ids", "seg_ids", "seq_ids", "sequence_ids", "document_ids", "doc_ids",
-     "sample_ids", "packed_ids"}
-)  # fmt: skip
 # rule name -> how select_segments reads the boundaries of a packed stream's segments
 PACKED_BOUNDARIES = {"packed-offsets": "offsets", "packed-segment-ids": "ids"}
 
@@ -188,14 +155,17 @@ def _packed(side: SideValue) -> bool:
 
 
 def _packed_offsets(side: SideValue) -> bool:
-    """Cumulative segment offsets [S + 1] of a packed stream, under an offsets name."""
-    return _packed(side) and _received_as(side, _OFFSET_NAMES) and _is_integer_vector(side)
+    """Cumulative segment offsets [S + 1] of a packed stream: an integer vector shorter
+    than the tokens from which the blocks build their attention mask."""
+    if not (_packed(side) and side.use == "mask" and _is_integer_vector(side)):
+        return False
+    return tensor_metas(side.meta)[0].shape[0] < side.stream.routable
 
 
 def _packed_segment_ids(side: SideValue) -> RowMap | None:
-    """One segment id per token ([T] or [1, T] integers) of a packed stream, under a
-    segment-ids name."""
-    if not _packed(side) or not _received_as(side, _SEGMENT_NAMES):
+    """One segment id per token ([T] or [1, T] integers) of a packed stream, from which the
+    blocks build their attention mask."""
+    if not _packed(side) or side.use != "mask":
         return None
     metas = tensor_metas(side.meta)
     if metas is None or len(metas) != 1 or len(metas[0].shape) not in (1, 2):
@@ -226,21 +196,9 @@ def _expanded_over_tokens(side: SideValue) -> bool:
     return isinstance(source, TensorMeta) and dim < len(source.shape) and source.shape[dim] == 1
 
 
-def _per_token_modulation(side: SideValue) -> bool:
-    """A conditioning value with one modulation set per token: [B, N, k, d] (rank above 3)."""
-    metas = tensor_metas(side.meta)
-    return (
-        side.token_aligned
-        and bool(side.arg_names)
-        and _received_as(side, _CONTEXT_NAMES)
-        and metas is not None
-        and len(metas[0].shape) > 3
-    )
-
-
 def _folded_rows(side: SideValue) -> bool:
     """A [B * N, ...] value not received as a RoPE table or a mask (see folded_rows)."""
-    tables = _received_as_rotary(side) or _received_as(side, _MASK_NAMES)
+    tables = _is_table(side) or _is_mask(side)
     return not tables and rows_per_token(side) is not None
 
 
@@ -250,9 +208,10 @@ BUILTIN_ADAPTERS: tuple[Adapter, ...] = (
         matches=_packed_offsets,
         action=kept_offsets,
         doc=(
-            "Packed streams only ([T, dim], or a batch of one [1, T, dim]): cumulative "
-            "segment offsets (cu_seqlens, cu_seq_lens_q/k, ...: a 1-D integer tensor "
-            "[S + 1]) received by the blocks give the samples' boundaries. The route "
+            "Packed streams only ([T, dim], or a batch of one [1, T, dim]): a 1-D integer "
+            "tensor shorter than the tokens from which the blocks build their attention "
+            "mask (cumulative segment offsets [S + 1], cu_seqlens) gives the samples' "
+            "boundaries. The route "
             "selects per segment (each keeps its own share of tokens, in order) and the "
             "blocks get the kept tokens' offsets. A max_seqlen number is left as it is: an "
             "upper bound for the kept segments."
@@ -266,8 +225,8 @@ BUILTIN_ADAPTERS: tuple[Adapter, ...] = (
         options=lambda side: _packed_segment_ids(side).options(None),
         doc=(
             "Packed streams only ([T, dim], or a batch of one [1, T, dim]): one segment "
-            "(sample, document) id per token ([T] or [1, T] integers under segment_ids, "
-            "seq_ids, document_ids, ...). The route selects per segment (each keeps its own "
+            "(sample, document) id per token ([T] or [1, T] integers) from which the blocks "
+            "build their attention mask. The route selects per segment (each keeps its own "
             "share of tokens, in order) and the kept tokens keep their ids, so masks the "
             "blocks build from them stay per segment."
         ),
@@ -279,47 +238,32 @@ BUILTIN_ADAPTERS: tuple[Adapter, ...] = (
         action="gather",
         doc=(
             "A token-aligned value expanded (or repeated) from a token dim of size 1 to N "
-            "(per-sample adaLN modulation expanded over the tokens, under any name, "
-            "conditioning names included): its rows are all equal, so gathering the kept "
+            "(per-sample adaLN modulation expanded over the tokens, whatever the blocks do "
+            "with it): its rows are all equal, so gathering the kept "
             "tokens' rows is exact."
         ),
         builtin=True,
     ),
     Adapter(
-        name="per-token-modulation",
-        matches=_per_token_modulation,
-        action="gather",
-        doc=(
-            "A conditioning value (temb, timestep, ...) of rank 4 or more with the batch "
-            "and token dims of the stream, e.g. a per-token adaLN modulation [B, N, 6, d] "
-            "(per-token timesteps): each token's modulation set is gathered with its kept "
-            "ids. A text stream under such a name is [B, T, d] and stays passed through."
-        ),
-        builtin=True,
-    ),
-    Adapter(
-        name="conditioning-by-name",
-        matches=lambda side: _received_as(side, _CONTEXT_NAMES),
+        name="context",
+        matches=lambda side: side.use == "context",
         action="pass",
         doc=(
-            "Values that blocks receive only under conditioning/context argument names "
-            "(encoder_hidden_states, context, c, temb, ...) are per-sample or text-token "
-            "values, not image tokens: passed through even when their length equals N."
+            "A value the blocks attend to (keys/values of an attention whose queries come "
+            "from the stream: cross-attention context) or join to the stream as other "
+            "tokens (text concatenated along the tokens): its tokens are not the routed "
+            "ones, so it is passed through even when its length equals N."
         ),
         builtin=True,
     ),
     Adapter(
-        name="rope-timm-eva",
-        matches=lambda side: _eva_rope(side) is not None,
-        action=per_sample_rope_table,
-        options=lambda side: _eva_rope(side).options(None),
+        name="not-per-token",
+        matches=lambda side: side.use == "none",
+        action="pass",
         doc=(
-            "timm EVA-family blocks (timm.models.eva: EVA-02, RoPE-ViT) receive `rope`, a "
-            "batch-shared [R, d] (or per-depth [H, R, d]) table whose R rows are the patch "
-            "tokens (cls/register tokens have none). Their attention also accepts a "
-            "per-sample [B, 1|H, r, d] table, the layout timm's own patch dropout hands them; "
-            "so each sample's kept rows are gathered into that layout and the selection "
-            "stays per sample."
+            "A value the blocks never combine with the stream per token: per-sample or "
+            "global (a timestep embedding [B, d] through a linear layer, a mean, an unused "
+            "argument), whatever its sizes (d == N included): passed through unchanged."
         ),
         builtin=True,
     ),
@@ -329,9 +273,11 @@ BUILTIN_ADAPTERS: tuple[Adapter, ...] = (
         action=take_rows,
         options=lambda side: _rope_rows(side, True).options(_table_batch(side)[1]),
         doc=(
-            "A RoPE table received under a rotary argument name (image_rotary_emb, rope, "
-            "freqs_cis, position_embeddings, ...) that has the batch dim (size B) and one "
-            "other non-feature dim of N (or N - prefix) rows, features last: each sample's "
+            "A table the blocks combine elementwise with the stream or q/k along a token dim "
+            "(RoPE cos/sin, positional tables, gates) that has the batch dim (size B) and "
+            "one other non-feature dim of N (or N - prefix) rows, features last unless only "
+            "the last dim has token rows ([B, N] per-token weights; a per-token adaLN "
+            "modulation [B, N, 6, d] is one too): each sample's "
             "rows are gathered with its kept ids. Tables with extra rows (T + N) are cut only "
             "when a concatenation in the graph shows where the N token rows are."
         ),
@@ -343,10 +289,11 @@ BUILTIN_ADAPTERS: tuple[Adapter, ...] = (
         action=take_rows,
         options=lambda side: _rope_rows(side, False).options(None),
         shares_selection=True,
-        diagnose=_why_not(_received_as_rotary, features_last=True),
+        diagnose=_why_not(_is_table, features_last=True),
         doc=(
-            "A RoPE table received under a rotary argument name without a batch dim (or "
-            "with a broadcast dim of 1): [N, d], or Flux's [T + N, d] whose text rows come "
+            "A table the blocks combine elementwise with the stream or q/k along a token dim "
+            "(RoPE), without a batch dim (or "
+            "with a broadcast dim of 1): [N, d], [N], or Flux's [T + N, d] whose text rows come "
             "first, as the concatenation of txt_ids and img_ids in the graph shows. The "
             "attention broadcasts it over the batch in a way tread_fx cannot see, so it "
             "cannot become per-sample: the route's selection is shared across the batch "
@@ -360,8 +307,8 @@ BUILTIN_ADAPTERS: tuple[Adapter, ...] = (
         matches=_rope_of_a_shorter_stream,
         action="pass",
         doc=(
-            "A RoPE table received under a rotary name whose rows (all dims but the batch "
-            "and the features) are fewer than the routed tokens, e.g. a [T, d] table of a "
+            "A table combined elementwise along a token dim whose rows (all dims but the "
+            "batch and the features) are fewer than the routed tokens, e.g. a [T, d] table of a "
             "shorter text or condition stream: it cannot hold the routed tokens' positions, "
             "so it is passed unchanged, even when its head dim d happens to equal N."
         ),
@@ -373,8 +320,9 @@ BUILTIN_ADAPTERS: tuple[Adapter, ...] = (
         action=take_rows,
         options=lambda side: _mask_rows(side, True).options(_table_batch(side)[1]),
         doc=(
-            "A mask received under a mask argument name (attention_mask, attn_mask, "
-            "key_padding_mask, ...) with the batch dim: a [B, N] key-padding mask or a "
+            "A value that reaches attention scores (the attn_mask of scaled_dot_product_"
+            "attention or nn.MultiheadAttention, added to q @ k^T, the mask of masked_fill) "
+            "with the batch dim: a [B, N] key-padding mask or a "
             "[B, 1|H, N|1, N] attention mask. Every dim of N rows is a token dim (query "
             "and key) and is gathered per sample with the kept ids; a sub-mask of a causal "
             "mask stays causal because kept ids are ascending."
@@ -387,48 +335,51 @@ BUILTIN_ADAPTERS: tuple[Adapter, ...] = (
         action=take_rows,
         options=lambda side: _mask_rows(side, False).options(None),
         shares_selection=True,
-        diagnose=_why_not(lambda side: _received_as(side, _MASK_NAMES), features_last=False),
+        diagnose=_why_not(_is_mask, features_last=False),
         doc=(
-            "A mask received under a mask argument name without a batch dim ([N, N], "
+            "A value that reaches attention scores without a batch dim ([N, N], "
             "[1, 1, N, N]): indexed along its token dims with a selection shared across "
             "the batch, keeping its shape apart from the token count."
         ),
         builtin=True,
     ),
     Adapter(
-        name="position-ids",
+        name="ids",
         matches=lambda side: _position_rows(side, per_sample=True) is not None,
         action=take_rows,
         options=lambda side: _position_rows(side, True).options(_table_batch(side)[1]),
         doc=(
-            "Token positions received as position_ids/cache_position ([B, N]): each "
-            "sample's kept tokens keep their original positions (gathered per sample)."
+            "Ids the blocks index an embedding or a table with (embedding, index_select, "
+            "advanced indexing), [B, N]: each sample's kept tokens keep their original "
+            "ids (gathered per sample)."
         ),
         builtin=True,
     ),
     Adapter(
-        name="position-ids-shared",
+        name="ids-shared",
         matches=lambda side: _position_rows(side, per_sample=False) is not None,
         action=take_rows,
         options=lambda side: _position_rows(side, False).options(None),
         shares_selection=True,
         doc=(
-            "Token positions without a batch dim ([N], or [1, N] broadcast over the batch, "
-            "as transformers builds them): indexed with a selection shared across the batch."
+            "Ids the blocks index an embedding or a table with, without a batch dim ([N], or "
+            "[1, N] broadcast over the batch, as transformers builds position ids): indexed "
+            "with a selection shared across the batch."
         ),
         builtin=True,
     ),
     Adapter(
         name="token-index-shared",
-        matches=lambda side: _token_index_rows(side) is not None,
+        matches=lambda side: side.use in (None, "unknown") and _token_index_rows(side) is not None,
         action=take_rows,
         options=lambda side: _token_index_rows(side).options(None),
         shares_selection=True,
         doc=(
-            "A 1-D integer tensor of N (or N - prefix) entries under any name holds one index "
-            "per token (a per-token modulation index, a segment or modality id, a position): "
-            "the kept tokens keep their entries, indexed with a selection shared across the "
-            "batch. Floating-point [N] vectors are not assumed to be per token."
+            "Only where no block receiving it could be traced through (its use is unknown): "
+            "a 1-D integer tensor of N (or N - prefix) entries holds one index per token (a "
+            "per-token modulation index, a segment or modality id, a position): the kept "
+            "tokens keep their entries, indexed with a selection shared across the batch. "
+            "Floating-point [N] vectors are not assumed to be per token."
         ),
         builtin=True,
     ),
@@ -451,7 +402,7 @@ BUILTIN_ADAPTERS: tuple[Adapter, ...] = (
             "gathered and the result folds back to [B * k * m, ...], the row order of the "
             "kept stream reshaped the same way. A value whose dim 0 is also the stream's own "
             "batch rows (a folded stream with as many sequences as tokens) is ambiguous and "
-            "not matched; nor are values received under rotary or mask names (their rules "
+            "not matched; nor are values the blocks use as tables or masks (their rules "
             "above decide: Flux's [T + N, d] RoPE table has B * N rows when T == N and B == 2)."
         ),
         builtin=True,

@@ -32,6 +32,7 @@ Example:
 from __future__ import annotations
 
 import operator
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -197,7 +198,7 @@ def _split_of(cat: fx.Node, rows: int, n: int) -> tuple[int, int] | None:
         return None
     candidates = [i for i, size in enumerate(sizes) if size == n]
     if len(candidates) > 1:  # T == N: the part built from the image/latent ids input
-        candidates = [i for i in candidates if _from_image_input(parts[i])]
+        candidates = _tie_by_name(parts, candidates, n)
     if len(candidates) != 1:
         return None
     at = candidates[0]
@@ -216,10 +217,25 @@ def _split_of_sum(add: fx.Node, rows: int, n: int) -> tuple[int, int] | None:
     first, second = values
     candidates = [i for i, v in enumerate(values) if v == n]
     if len(candidates) > 1:  # N == T: the operand computed from the image/latent input
-        candidates = [i for i in candidates if _from_image_input(add.args[i])]
+        candidates = _tie_by_name(add.args, candidates, n)
     if len(candidates) != 1:
         return None
     return (0, second) if candidates[0] == 0 else (first, 0)
+
+
+def _tie_by_name(parts: Any, candidates: list[int], n: int) -> list[int]:
+    """Of several parts of ``n`` rows, the one computed from an input named like image ids;
+    a tie broken by a name is reported (renaming that input would change it)."""
+    named = [i for i in candidates if _from_image_input(parts[i])]
+    if len(named) == 1:
+        warnings.warn(
+            f"a table joins {len(candidates)} parts of {n} rows (as many as the routed "
+            f"tokens); the part computed from an input named like image ids (part {named[0]}) "
+            "is taken for the token rows. Renaming that input would change this; register a "
+            "tread_fx.adapters.Adapter for the table to decide it explicitly.",
+            stacklevel=2,
+        )
+    return named
 
 
 def _from_image_input(part: fx.Node) -> bool:

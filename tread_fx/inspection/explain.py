@@ -54,6 +54,7 @@ from tread_fx.inspection.inputs import example_inputs as make_example_inputs
 from tread_fx.passes.locate import BlockCall, block_leaf_paths, candidate_stacks, input_slots
 from tread_fx.passes.plan import Crossing
 from tread_fx.passes.rewrite import Reinsert
+from tread_fx.passes.stacks import argument_name
 from tread_fx.passes.token_major import token_major_unit
 from tread_fx.passes.trace import trace_call
 from tread_fx.pipeline import Built, build
@@ -329,12 +330,29 @@ def explain(
             )
             for p in built.plans
         ]
+        guards += _told_counts(built)
         found = (built, original, refusal)
         say("counting ATen ops and FLOPs of both graphs" if flops else "diffing the graphs")
         return _assemble(model, (args, kwargs), found, guards, names, config, flops)
     finally:
         for module, mode in modes:
             module.training = mode
+
+
+def _told_counts(built: Built) -> list[Guard]:
+    """The block ints a route rewrites: only those that size the stream's token dim
+    (``passes/uses.py``); any other int stays, whatever its value."""
+    gm = built.gm
+    return [
+        Guard(
+            "route",
+            f"route {p.index} tells {node.target.removeprefix('model.')} "
+            f"'{argument_name(gm.get_submodule(node.target), slot)}'",
+            f"{count} (a token count: it sizes the tokens in the block)",
+        )
+        for p in built.plans
+        for node, slot, count in p.count_args
+    ]
 
 
 def _placeholder_names(model, args, kwargs, traced) -> dict[str, str]:
