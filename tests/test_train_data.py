@@ -77,11 +77,11 @@ def test_fashion_mnist_from_tiny_idx_files(tmp_path, compress):
 def test_idx_errors_name_the_file(tmp_path):
     bad = tmp_path / "bad-magic"
     bad.write_bytes(b"\x01\x02\x08\x01" + b"\x00" * 8)
-    with pytest.raises(data.DataError, match="bad-magic.*not an IDX"):
+    with pytest.raises(data.DataError, match="(?s)bad-magic.*not an IDX"):
         data.read_idx(bad)
     short = tmp_path / "short"
     short.write_bytes(bytes([0, 0, 8, 1, 0, 0, 0, 9]) + bytes(3))
-    with pytest.raises(data.DataError, match="short.*9"):
+    with pytest.raises(data.DataError, match="(?s)short.*9"):
         data.read_idx(short)
     gz = tmp_path / "broken.gz"
     gz.write_bytes(gzip.compress(b"\x00" * 100)[:20])
@@ -90,7 +90,7 @@ def test_idx_errors_name_the_file(tmp_path):
 
 
 def test_fashion_mnist_missing_directory_and_files(tmp_path):
-    with pytest.raises(data.DataError, match="nowhere.*not found"):
+    with pytest.raises(data.DataError, match="(?s)nowhere.*not found"):
         data.load_dataset("fashion-mnist", tmp_path / "nowhere")
     d = _fashion_dir(tmp_path, compress=False)
     (d / "train-labels-idx1-ubyte").unlink()
@@ -129,13 +129,13 @@ def test_latent_shards(tmp_path, suffix):
 
 def test_latent_errors_name_the_file(tmp_path):
     ok = np.zeros((2, 4, 4, 4), np.float32)
-    with pytest.raises(data.DataError, match="missing.*not found"):
+    with pytest.raises(data.DataError, match="(?s)missing.*not found"):
         data.load_latents(tmp_path / "missing")
     with pytest.raises(data.DataError, match="no latent shards"):
         data.load_latents(tmp_path)
     _write_shard(tmp_path / "a.safetensors", ok, np.array([0, 1]))
     _write_shard(tmp_path / "b.safetensors", np.zeros((2, 4, 8, 8), np.float32), np.array([0, 1]))
-    with pytest.raises(data.DataError, match="b.safetensors.*do not match.*a.safetensors"):
+    with pytest.raises(data.DataError, match=r"(?s)b.safetensors.*do not match.*a.safetensors"):
         data.load_latents(tmp_path)
     _write_shard(tmp_path / "b.safetensors", ok, np.array([0, 1, 1]))
     with pytest.raises(data.DataError, match="b.safetensors: 2 latents but 'labels'"):
@@ -143,7 +143,7 @@ def test_latent_errors_name_the_file(tmp_path):
     nan = ok.copy()
     nan[1, 2, 3, 0] = np.nan
     _write_shard(tmp_path / "b.safetensors", nan, np.array([0, 1]))
-    with pytest.raises(data.DataError, match="b.safetensors.*NaN"):
+    with pytest.raises(data.DataError, match="(?s)b.safetensors.*NaN"):
         data.load_latents(tmp_path)
     (tmp_path / "b.safetensors").write_bytes(b"\x00garbage")
     with pytest.raises(data.DataError, match="b.safetensors: cannot read"):
