@@ -138,7 +138,7 @@ def test_latent_errors_name_the_file(tmp_path):
     with pytest.raises(data.DataError, match=r"(?s)b.safetensors.*do not match.*a.safetensors"):
         data.load_latents(tmp_path)
     _write_shard(tmp_path / "b.safetensors", ok, np.array([0, 1, 1]))
-    with pytest.raises(data.DataError, match="b.safetensors: 2 latents but 'labels'"):
+    with pytest.raises(data.DataError, match=r"b.safetensors:\s2 latents but 'labels'"):
         data.load_latents(tmp_path)
     nan = ok.copy()
     nan[1, 2, 3, 0] = np.nan
@@ -146,11 +146,11 @@ def test_latent_errors_name_the_file(tmp_path):
     with pytest.raises(data.DataError, match="(?s)b.safetensors.*NaN"):
         data.load_latents(tmp_path)
     (tmp_path / "b.safetensors").write_bytes(b"\x00garbage")
-    with pytest.raises(data.DataError, match="b.safetensors: cannot read"):
+    with pytest.raises(data.DataError, match=r"b.safetensors:\scannot read"):
         data.load_latents(tmp_path)
     (tmp_path / "b.safetensors").unlink()
     np.save(tmp_path / "c.latents.npy", ok)
-    with pytest.raises(data.DataError, match="c.latents.npy: no matching labels"):
+    with pytest.raises(data.DataError, match=r"c.latents.npy:\sno matching labels"):
         data.load_latents(tmp_path)
 
 
