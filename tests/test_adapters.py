@@ -66,7 +66,7 @@ def user_adapter():
 def test_strict_mode_refuses_an_unknown_token_aligned_value_naming_it(shared):
     torch.manual_seed(0)
     model = tread_fx.route(_TableModel(shared), routes=[(1, 3)], seed=0).train()
-    with pytest.raises(SideInputError, match=r"\['table'\].*looks token-aligned.*opaque"):
+    with pytest.raises(SideInputError, match=r"(?s)\['table'\].*looks token-aligned.*opaque"):
         model(*_inputs(shared))
 
 
