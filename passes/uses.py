@@ -478,8 +478,8 @@ def hint_warning(side: SideValue, rule: str) -> str:
     """
     how = how_used(side).strip()
     return (
-        f"value '{side.node.name}' {sorted(side.arg_names)} was fitted to the kept tokens "
-        f"by rule '{rule}' because of its argument name ({side.use}): {how} Renaming the "
+        f"value '{side.node.name}' {sorted(side.arg_names)} was taken for {side.use} by its "
+        f"argument name (rule '{rule}'): {how} Renaming the "
         "argument would change this; register a tread_fx.adapters.Adapter for the value to "
         "decide it explicitly."
     )
