@@ -131,8 +131,8 @@ def first_tensor(out: Any) -> torch.Tensor:
 
 
 def _reason(err: BaseException) -> str:
-    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
-    text = lines[0] if lines else ""
+    """The error's message on one line (a refusal's short first line and its details)."""
+    text = " ".join(line.strip() for line in str(err).strip().splitlines() if line.strip())
     return f"{type(err).__name__}: {text}"[:400]
 
 

@@ -119,3 +119,21 @@ def test_timm_per_architecture_sweep_does_not_regress():
     regressed = [n for n, v in before.items() if v == "routes" and now.get(n) != "routes"]
     assert not regressed, f"routed in the committed table, not now: {regressed}"
     assert totals(section["rows"])["broken"] <= totals(committed)["broken"]
+
+
+def test_a_refusal_reason_keeps_the_details_below_its_short_first_line():
+    """Refusals break their first line at 150 characters; the verdict's reason keeps both."""
+
+    class Unroutable(torch.nn.Module):  # one token: nothing can be routed around
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    verdict = judge(Case("one-token", "test", Unroutable, lambda: ((torch.randn(2, 1, 8),), {})))
+    assert verdict.verdict == "refused", verdict
+    assert "\n" not in verdict.reason and len(verdict.reason.split(": ", 1)[1]) > 150, verdict
