@@ -293,7 +293,8 @@ BUILTIN_ADAPTERS: tuple[Adapter, ...] = (
         doc=(
             "A table the blocks combine elementwise with the stream or q/k along a token dim "
             "(RoPE), without a batch dim (or "
-            "with a broadcast dim of 1): [N, d], [N], or Flux's [T + N, d] whose text rows come "
+            "with a broadcast dim of 1): [N, d], [N], or a joint model's [T + N, d] whose text "
+            "rows come "
             "first, as the concatenation of txt_ids and img_ids in the graph shows. The "
             "attention broadcasts it over the batch in a way tread_fx cannot see, so it "
             "cannot become per-sample: the route's selection is shared across the batch "
@@ -363,7 +364,8 @@ BUILTIN_ADAPTERS: tuple[Adapter, ...] = (
         shares_selection=True,
         doc=(
             "Ids the blocks index an embedding or a table with, without a batch dim ([N], or "
-            "[1, N] broadcast over the batch, as transformers builds position ids): indexed "
+            "[1, N] broadcast over the batch, as language-model code builds position ids): "
+            "indexed "
             "with a selection shared across the batch."
         ),
         builtin=True,
@@ -403,7 +405,8 @@ BUILTIN_ADAPTERS: tuple[Adapter, ...] = (
             "kept stream reshaped the same way. A value whose dim 0 is also the stream's own "
             "batch rows (a folded stream with as many sequences as tokens) is ambiguous and "
             "not matched; nor are values the blocks use as tables or masks (their rules "
-            "above decide: Flux's [T + N, d] RoPE table has B * N rows when T == N and B == 2)."
+            "above decide: a joint model's [T + N, d] RoPE table has B * N rows when T == N and "
+            "B == 2)."
         ),
         builtin=True,
     ),
