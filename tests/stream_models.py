@@ -192,3 +192,18 @@ class LateClassToken(nn.Module):
             h = block(h)
         h = self.head_block(torch.cat([self.cls.expand(h.shape[0], -1, -1), h], dim=1))
         return self.out(h[:, 0])
+
+
+class AttentionBlock(nn.Module):
+    """A pre-norm self-attention block over ``[B, N, dim]`` tokens (nn.MultiheadAttention)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, 2, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.mlp(x)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from stream_models import AttentionBlock
 from third_party_checks import INVARIANTS, Case
 from torch import nn
 
@@ -26,19 +27,6 @@ class DepthwiseConvBlock(nn.Module):
         return x + self.pointwise(torch.relu(self.depthwise(x)))
 
 
-class AttentionBlock(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(D)
-        self.attn = nn.MultiheadAttention(D, 2, batch_first=True)
-        self.mlp = nn.Sequential(nn.Linear(D, 2 * D), nn.GELU(), nn.Linear(2 * D, D))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.norm(x)
-        x = x + self.attn(h, h, h, need_weights=False)[0]
-        return x + self.mlp(x)
-
-
 class ConvAroundEncoder(nn.Module):
     """``convs`` conv blocks before and after ``depth`` attention blocks (own class, or
     ``nn.TransformerEncoder`` when ``torch_encoder``)."""
@@ -51,7 +39,7 @@ class ConvAroundEncoder(nn.Module):
             layer = nn.TransformerEncoderLayer(D, 2, 2 * D, dropout=0.0, batch_first=True)
             self.encoder = nn.TransformerEncoder(layer, depth, enable_nested_tensor=False)
         else:
-            self.encoder = nn.Sequential(*(AttentionBlock() for _ in range(depth)))
+            self.encoder = nn.Sequential(*(AttentionBlock(D) for _ in range(depth)))
         self.convs_out = nn.ModuleList(DepthwiseConvBlock() for _ in range(convs))
         self.head = nn.Conv2d(D, 3, 1)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from einops import pack, rearrange, unpack
+from stream_models import AttentionBlock
 from third_party_checks import INVARIANTS, Case
 from torch import nn
 
@@ -17,19 +18,6 @@ from tread_fx.runtime.guards import GUARD_MARK, check_traced_length
 B, H, W, D = 2, 4, 4, 32
 
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(D)
-        self.attn = nn.MultiheadAttention(D, 2, batch_first=True)
-        self.mlp = nn.Sequential(nn.Linear(D, 2 * D), nn.GELU(), nn.Linear(2 * D, D))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.norm(x)
-        x = x + self.attn(h, h, h, need_weights=False)[0]
-        return x + self.mlp(x)
-
-
 class PackedGridDiT(nn.Module):
     """Patch features ``[B, C, H, W]`` packed to tokens with einops and unpacked after."""
 
@@ -37,7 +25,7 @@ class PackedGridDiT(nn.Module):
         super().__init__()
         self.channels_first = channels_first
         self.proj_in = nn.Linear(3, D)
-        self.blocks = nn.ModuleList(Block() for _ in range(depth))
+        self.blocks = nn.ModuleList(AttentionBlock(D) for _ in range(depth))
         self.proj_out = nn.Linear(D, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
