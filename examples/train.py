@@ -146,7 +146,8 @@ def load_data(args: argparse.Namespace, device: torch.device, objective) -> tupl
         ``(data, num_classes)``; ``data`` holds ``train_x``, ``train_y``, ``val_x``, ``val_y``,
         ``val_t`` and ``val_noise`` on ``device``.
     """
-    images, labels, num_classes = data_lib.load_dataset(args.data, args.data_dir)
+    loaded = data_lib.load_dataset(args.data, args.data_dir)
+    images, labels, num_classes = data_lib.pad_images(loaded, getattr(args, "pad_to", None))
     val_gen = torch.Generator().manual_seed(1234)  # the same held-out set for every run
     perm = torch.randperm(images.shape[0], generator=val_gen)
     n_val = max(1, min(args.val_size, images.shape[0] // 10))

@@ -83,6 +83,7 @@ def add_shared_args(p: argparse.ArgumentParser, **defaults) -> None:
     a = p.add_argument
     a("--data", choices=list(data_lib.DATASETS), default="digits")
     a("--data-dir", help="directory for fashion-mnist (IDX files) or latents (shards)")
+    a("--pad-to", type=int, help="pad images to this side, centred (MNIST 28 -> 32: 256 tokens)")
     a("--val-size", type=int, default=256, help="held-out images for the validation loss")
     a("--routes", default=d["routes"], help=d["routes_help"])
     a("--rate", type=float, default=0.5, help="fraction of tokens routed around")

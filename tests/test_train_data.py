@@ -157,3 +157,21 @@ def test_latent_errors_name_the_file(tmp_path):
 def test_unknown_dataset():
     with pytest.raises(data.DataError, match="unknown dataset 'cifar'"):
         data.load_dataset("cifar")
+
+
+def test_pad_images_centres_the_digit_on_its_background():
+    images, labels, num_classes = data.load_dataset("mnist")
+    padded = data.pad_images(data.ImageData(images[:4], labels[:4], num_classes), 32)
+    assert padded.images.shape == (4, 1, 32, 32)
+    assert torch.equal(padded.images[:, :, 2:30, 2:30], images[:4])
+    border = torch.ones(32, 32, dtype=torch.bool)
+    border[2:30, 2:30] = False
+    assert (padded.images[:, :, border] == images.min()).all()
+    assert torch.equal(padded.labels, labels[:4]) and padded.num_classes == num_classes
+    assert data.pad_images(padded, None) is padded
+
+
+def test_pad_images_refuses_a_smaller_side():
+    images = torch.zeros(1, 1, 28, 28)
+    with pytest.raises(data.DataError, match="--pad-to 16 is smaller than the images"):
+        data.pad_images(data.ImageData(images, torch.zeros(1, dtype=torch.int64), 1), 16)
