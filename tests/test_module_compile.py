@@ -63,15 +63,56 @@ def test_example_inputs_let_the_first_call_be_compiled():
     assert len(tread_fx.routed_graphs(model)) == 1
 
 
-def test_a_first_call_inside_fullgraph_says_to_call_once_before_compiling():
+@pytest.mark.parametrize("seed", [0, None])
+def test_the_first_call_can_be_compiled_with_fullgraph(seed):
     torch._dynamo.reset()
-    model, inputs = _routed(0), dit_inputs()
-    compiled = torch.compile(model.train(), fullgraph=True, backend="aot_eager")
+    inputs = dit_inputs()
+    model, eager = _routed(seed).train(), _routed(seed).train()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")  # before any call
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(2):
+            out, expected = _step(compiled, inputs), _step(eager, inputs)
+            assert tread_fx.route_info(model)[0].kept.shape == (3, 8)
+            if seed is not None:
+                assert torch.equal(
+                    tread_fx.route_info(model)[0].kept, tread_fx.route_info(eager)[0].kept
+                )
+                assert torch.allclose(out, expected, atol=1e-4)
+    assert len(tread_fx.routed_graphs(model)) == 1
+    assert not torch._dynamo.utils.counters["graph_break"]
+
+
+def test_a_new_signature_under_fullgraph_is_traced_before_the_compiled_call():
+    torch._dynamo.reset()
+    model, inputs = _routed(0).train(), dit_inputs()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    _step(compiled, inputs)
+    _step(compiled, [v[:2] for v in inputs])  # a smaller last batch: a second routed graph
+    assert tread_fx.route_info(model)[0].kept.shape == (2, 8)
+    assert len(tread_fx.routed_graphs(model)) == 2
+    assert not torch._dynamo.utils.counters["graph_break"]
+
+
+class _WithLoss(torch.nn.Module):
+    """A routed model compiled as a submodule: dynamo inlines its call, nothing runs before."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *inputs):
+        return self.inner(*inputs).square().mean()
+
+
+def test_a_first_call_inlined_inside_fullgraph_says_to_call_once_before_compiling():
+    torch._dynamo.reset()
+    model, inputs = _routed(0).train(), dit_inputs()
+    compiled = torch.compile(_WithLoss(model), fullgraph=True, backend="aot_eager")
     with pytest.raises(Exception, match="run one training call before compiling"):
         compiled(*inputs)
     torch._dynamo.reset()
-    out = torch.compile(model, backend="aot_eager")(*inputs)  # no fullgraph: one graph break
-    assert out.shape == (3, 2, 8, 8) and tread_fx.route_info(model)[0].kept.shape == (3, 8)
+    loss = torch.compile(_WithLoss(model), backend="aot_eager")(*inputs)  # one graph break
+    assert loss.ndim == 0 and tread_fx.route_info(model)[0].kept.shape == (3, 8)
 
 
 def test_a_failed_guard_under_inductor_is_a_clear_error_not_a_device_assert():

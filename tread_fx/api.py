@@ -17,7 +17,6 @@ Example:
 from __future__ import annotations
 
 import functools
-import inspect
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -35,7 +34,7 @@ from tread_fx.errors import (
     RoutedGraphError,
     TreadFxError,
 )
-from tread_fx.module_state import ModuleModes, call_signature, traced_through
+from tread_fx.module_state import ModuleModes, call_signature, check_call, traced_through
 from tread_fx.passes.rewrite import Reinsert
 from tread_fx.passes.trace import MODEL_PREFIX
 from tread_fx.passes.trace_support import has_call_hooks
@@ -44,7 +43,14 @@ from tread_fx.routes import Route
 from tread_fx.runtime.guards import GUARD_MARK
 from tread_fx.runtime.noise import NoiseSource
 from tread_fx.runtime.ops import routed_mask
-from tread_fx.wrappers import REPLICATE, check_unwrapped, refuse_replica, unwrap
+from tread_fx.wrappers import (
+    REPLICATE,
+    check_unwrapped,
+    install_compile_preparation,
+    refuse_replica,
+    remove_compile_preparation,
+    unwrap,
+)
 
 __all__ = [
     "route",
@@ -144,20 +150,7 @@ class _RoutingState:
             self.last_info = None  # an unrouted step
             return type(model).forward(model, *args, **kwargs)
         flat, spec = pytree.tree_flatten((args, kwargs))
-        hooks_added = self.modules.hooks_changed()
-        signature = call_signature(spec, flat, self.modules.modes(model, hooks_added))
-        key = (signature, None if config is self.config else repr(config))
-        entry = self.entries.get(key)
-        if entry is not None and hooks_added and any(has_call_hooks(m) for m in entry.inlined):
-            entry = None  # hooks came after the trace (fully_shard): trace again, calling it
-        if entry is None:
-            entry = _build_outside_compile(self, model, args, kwargs, config)
-            if self._watch(model, entry):  # fewer flags in the key from now on
-                key = (call_signature(spec, flat, self.modules.modes(model)), key[1])
-            self.entries[key] = entry
-            while len(self.entries) > _MAX_TRACES:
-                self.entries.popitem(last=False)
-        self.entries.move_to_end(key)
+        key, entry = self.entry_for(model, args, kwargs, config, (flat, spec))
         tensors = [flat[i] for i in entry.built.traced.tensor_positions]
         device = tensors[0].device if tensors else torch.device("cpu")
         noises = self.noise.draw(entry.noise_shapes, device)
@@ -190,6 +183,27 @@ class _RoutingState:
             for plan, kept in zip(entry.built.plans, out[n:])
         ]
         return pytree.tree_unflatten(list(out[:n]), entry.built.traced.out_spec)
+
+    def entry_for(
+        self, model: nn.Module, args: tuple, kwargs: dict, config: RoutingConfig, flat_spec: tuple
+    ) -> tuple[Any, _Entry]:
+        """The cache key and routed graph of this call's signature, built if not cached yet."""
+        flat, spec = flat_spec
+        hooks_added = self.modules.hooks_changed()
+        signature = call_signature(spec, flat, self.modules.modes(model, hooks_added))
+        key = (signature, None if config is self.config else repr(config))
+        entry = self.entries.get(key)
+        if entry is not None and hooks_added and any(has_call_hooks(m) for m in entry.inlined):
+            entry = None  # hooks came after the trace (fully_shard): trace again, calling it
+        if entry is None:
+            entry = _build_outside_compile(self, model, args, kwargs, config)
+            if self._watch(model, entry):  # fewer flags in the key from now on
+                key = (call_signature(spec, flat, self.modules.modes(model)), key[1])
+            self.entries[key] = entry
+            while len(self.entries) > _MAX_TRACES:
+                self.entries.popitem(last=False)
+        self.entries.move_to_end(key)
+        return key, entry
 
     def _watch(self, model: nn.Module, entry: _Entry) -> bool:
         """Key calls on the modes of the modules this trace went through (others are called
@@ -260,6 +274,20 @@ def _build_outside_compile(
     return state._build(model, args, kwargs, config)
 
 
+def _prepare_for_compile(model: nn.Module, args: tuple, kwargs: dict | None = None) -> None:
+    """Build the routed graph of a compiled call's signature eagerly, before dynamo traces it.
+
+    ``torch.compile(model)`` calls this with the call's real inputs (see
+    :func:`~tread_fx.wrappers.install_compile_preparation`), so ``fullgraph=True`` works from
+    the first call and for every new signature (a smaller last batch).
+    """
+    state = model.__dict__[_STATE]
+    config = state.forced or state.config
+    if model.training or state.forced is not None:
+        kwargs = kwargs or {}
+        state.entry_for(model, args, kwargs, config, pytree.tree_flatten((args, kwargs)))
+
+
 def _routed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     state = self.__dict__[_STATE]
     if not self.training and state.forced is None:
@@ -287,39 +315,6 @@ class RoutedForward:
 
     def __reduce__(self) -> tuple:
         return (RoutedForward, (self.__self__,))
-
-
-def check_call(model: nn.Module, args: tuple, kwargs: dict) -> None:
-    """Raise the ``TypeError`` the unrouted model raises for a call that does not fit its forward.
-
-    A missing or unexpected argument is the caller's mistake, not the tracer's: it is reported
-    exactly as ``type(model).forward`` reports it, before anything is traced.
-
-    Args:
-        model: The (unwrapped) model.
-        args: Positional arguments of the call (without ``self``).
-        kwargs: Keyword arguments of the call.
-
-    Raises:
-        TypeError: The arguments do not bind to ``type(model).forward``.
-
-    Example:
-        >>> import tread_fx
-        >>> model = tread_fx.models.DiT_S_2(input_size=8, depth=2)
-        >>> check_call(model, (1, 2), {})
-        Traceback (most recent call last):
-        TypeError: DiT.forward() missing 1 required positional argument: 'y'
-    """
-    forward = inspect.unwrap(type(model).forward)
-    if not inspect.isfunction(forward) or hasattr(forward, "__signature__"):
-        return  # a builtin or a declared signature: let the call itself decide
-    try:
-        inspect.signature(forward).bind(model, *args, **kwargs)
-    except TypeError:
-        # Binding fails the same way for the real function, before its body runs, so this
-        # raises the very TypeError the unrouted model raises (same message).
-        forward(model, *args, **kwargs)
-        raise
 
 
 def route(
@@ -414,17 +409,15 @@ def route(
     state = _RoutingState(config, seed, compile, _check_probability(routing_probability))
     if example_inputs is not None:
         args, kwargs = _split_example(example_inputs)
-        flat, spec = pytree.tree_flatten((args, kwargs))
         was_training = [m.training for m in model.modules()]
         model.train()
-        entry = state._build(model, args, kwargs)
-        state._watch(model, entry)
-        state.entries[(call_signature(spec, flat, state.modules.modes(model)), None)] = entry
+        state.entry_for(model, args, kwargs, state.config, pytree.tree_flatten((args, kwargs)))
         for m, mode in zip(model.modules(), was_training):
             m.training = mode
     model.__dict__[_STATE] = state
     model.__dict__["forward"] = RoutedForward(model)
     model.__dict__[REPLICATE] = functools.partial(refuse_replica, model)
+    install_compile_preparation(model, _prepare_for_compile)
     return model
 
 
@@ -476,6 +469,7 @@ def unroute(model: nn.Module) -> nn.Module:
     del inner.__dict__[_STATE]
     inner.__dict__.pop("forward", None)
     inner.__dict__.pop(REPLICATE, None)
+    remove_compile_preparation(inner)
     return model
 
 

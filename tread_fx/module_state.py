@@ -24,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 import operator
 from typing import Any
 
@@ -32,7 +33,12 @@ from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["ModuleModes", "traced_through", "call_signature"]
+__all__ = [
+    "check_call",
+    "ModuleModes",
+    "traced_through",
+    "call_signature",
+]
 
 _TRAINING = operator.attrgetter("training")
 
@@ -133,3 +139,36 @@ def call_signature(spec: pytree.TreeSpec, flat: list, modes: tuple[bool, ...]) -
         (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
     )
     return spec, leaves, modes, autocast, torch.is_grad_enabled()
+
+
+def check_call(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Raise the ``TypeError`` the unrouted model raises for a call that does not fit its forward.
+
+    A missing or unexpected argument is the caller's mistake, not the tracer's: it is reported
+    exactly as ``type(model).forward`` reports it, before anything is traced.
+
+    Args:
+        model: The (unwrapped) model.
+        args: Positional arguments of the call (without ``self``).
+        kwargs: Keyword arguments of the call.
+
+    Raises:
+        TypeError: The arguments do not bind to ``type(model).forward``.
+
+    Example:
+        >>> import tread_fx
+        >>> model = tread_fx.models.DiT_S_2(input_size=8, depth=2)
+        >>> check_call(model, (1, 2), {})
+        Traceback (most recent call last):
+        TypeError: DiT.forward() missing 1 required positional argument: 'y'
+    """
+    forward = inspect.unwrap(type(model).forward)
+    if not inspect.isfunction(forward) or hasattr(forward, "__signature__"):
+        return  # a builtin or a declared signature: let the call itself decide
+    try:
+        inspect.signature(forward).bind(model, *args, **kwargs)
+    except TypeError:
+        # Binding fails the same way for the real function, before its body runs, so this
+        # raises the very TypeError the unrouted model raises (same message).
+        forward(model, *args, **kwargs)
+        raise

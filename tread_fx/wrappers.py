@@ -20,7 +20,14 @@ from torch import nn
 
 from tread_fx.errors import WrappedModelError
 
-__all__ = ["unwrap", "check_unwrapped", "refuse_replica", "REPLICATE"]
+__all__ = [
+    "unwrap",
+    "check_unwrapped",
+    "refuse_replica",
+    "REPLICATE",
+    "install_compile_preparation",
+    "remove_compile_preparation",
+]
 
 _WRAPPER_ATTRIBUTES = {
     "DistributedDataParallel": "module",
@@ -119,3 +126,38 @@ def refuse_replica(model: nn.Module) -> None:
         "Use DistributedDataParallel (route, then wrap: one process per GPU), or DataParallel "
         "with a single device."
     )
+
+
+# torch.compile's lazy-module protocol: ``OptimizedModule`` (``torch.compile(model)``) checks its
+# module for these two attributes and, when present, calls ``_infer_parameters(module, args,
+# kwargs)`` eagerly with the call's real inputs before dynamo traces the call.
+_LAZY_MARK, _LAZY_CALL = "_initialize_hook", "_infer_parameters"
+
+
+def install_compile_preparation(model: nn.Module, prepare: Any) -> None:
+    """Have ``torch.compile(model)`` call ``prepare(model, args, kwargs)`` eagerly before each call.
+
+    A routed model builds its routed graph at the first call of each input signature, which
+    dynamo cannot trace (``fullgraph=True`` refuses it). Declaring the model lazy in torch's sense
+    lets ``OptimizedModule`` run that preparation outside the compiled region, on the real inputs,
+    so the compiled call finds the graph built. The mark stays: every compiled call may meet a new
+    signature (a smaller last batch). ``prepare`` must be a module-level function (it pickles).
+
+    Example:
+        >>> import torch
+        >>> seen = []
+        >>> def prepare(module, args, kwargs): seen.append(args[0].shape)
+        >>> model = torch.nn.Linear(2, 2)
+        >>> install_compile_preparation(model, prepare)
+        >>> _ = torch.compile(model, backend="eager")(torch.ones(3, 2))
+        >>> seen
+        [torch.Size([3, 2])]
+    """
+    model.__dict__[_LAZY_MARK] = True
+    model.__dict__[_LAZY_CALL] = prepare
+
+
+def remove_compile_preparation(model: nn.Module) -> None:
+    """Undo :func:`install_compile_preparation` (the model is as before)."""
+    model.__dict__.pop(_LAZY_MARK, None)
+    model.__dict__.pop(_LAZY_CALL, None)
