@@ -13,13 +13,22 @@ when TREAD never gets there.
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 from pathlib import Path
 
 import numpy as np
 
-__all__ = ["ARMS", "load_runs", "first_reach", "convergence", "summarise", "write_report"]
+__all__ = [
+    "ARMS",
+    "load_runs",
+    "first_reach",
+    "convergence",
+    "summarise",
+    "setup_figures",
+    "write_report",
+]
 
 ARMS = ("baseline", "tread")
 
@@ -279,6 +288,58 @@ def _per_seed_table(runs: dict[str, list[dict]]) -> list[str]:
     return lines
 
 
+def setup_figures(out: Path) -> dict | None:
+    """What was compared: tokens, parameters, routes and the measured FLOP ratio of a step.
+
+    Both arms are rebuilt from the first seed's saved arguments; one training step (forward and
+    backward, batch 2) of each is counted with the project's FLOP counter, so the ratio is the
+    speed-up the FLOPs predict. Steps per arm are in the ``convergence`` rows.
+    """
+    import diffusion
+    import torch
+    from train import build_routed_model, load_data
+
+    import tread_fx
+    from tread_fx.inspection.counts import flop_counter
+
+    seed_dirs = sorted(out.glob("seed*"))
+    if not seed_dirs:
+        return None
+    figures: dict = {}
+    for arm in ARMS:
+        path = seed_dirs[0] / arm / "args.json"
+        if not path.exists():
+            return None
+        args = argparse.Namespace(**json.loads(path.read_text()))
+        data, num_classes = load_data(args, torch.device("cpu"), diffusion.RectifiedFlow(0, 1, 1))
+        shape = tuple(data["train_x"].shape[1:])
+        model, routes = build_routed_model(args, shape, num_classes, torch.device("cpu"))
+        x, y = data["train_x"][:2], data["train_y"][:2]
+        model.train()(x, torch.rand(2), y)  # a routed model traces at its first call
+        with flop_counter() as counter:
+            model(x, torch.rand(2), y).square().mean().backward()
+        figures[arm] = {"step_flops_batch2": counter.get_total_flops(), "routes": routes}
+        if routes:
+            info = tread_fx.route_info(model)[0]
+            figures.update(tokens=info.num_tokens, kept=int(info.kept.shape[1]))
+        figures["parameters"] = sum(p.numel() for p in model.parameters())
+    base, tread = (figures[arm]["step_flops_batch2"] for arm in ARMS)
+    figures["flop_ratio"] = base / tread
+    return figures
+
+
+def _setup_lines(setup: dict | None) -> list[str]:
+    if not setup or "tokens" not in setup:
+        return []
+    return [
+        f"Setup: {setup['tokens']} tokens ({setup['kept']} kept inside the route), "
+        f"{setup['parameters'] / 1e6:.2f}M parameters, TREAD routes {setup['tread']['routes']}; "
+        f"measured FLOPs of a training step, baseline / TREAD = {setup['flop_ratio']:.3f} "
+        "(the speed-up the FLOPs predict).",
+        "",
+    ]
+
+
 def write_report(out: Path, argv: list[str], train_args: list[str], limit: str) -> Path:
     """Write ``report.md``, ``summary.json`` and the plots into ``out``; return the report path.
 
@@ -290,6 +351,7 @@ def write_report(out: Path, argv: list[str], train_args: list[str], limit: str) 
     """
     runs = load_runs(out)
     rows = summarise(runs)
+    setup = setup_figures(out)
     seeds = [convergence(b, t) for b, t in zip(runs["baseline"], runs["tread"])]
     plots = _plot(runs, out)
     header = list(rows[0])
@@ -302,6 +364,7 @@ def write_report(out: Path, argv: list[str], train_args: list[str], limit: str) 
         "thread each. Validation loss: EMA model, eval mode (no routing), fixed held-out (x0, "
         "t, noise). Mean ± std over seeds.",
         "",
+        *_setup_lines(setup),
         "| " + " | ".join(header) + " |",
         "|" + "---|" * len(header),
         *("| " + " | ".join(str(row[h]) for h in header) + " |" for row in rows),
@@ -324,6 +387,6 @@ def write_report(out: Path, argv: list[str], train_args: list[str], limit: str) 
     ]
     report = out / "report.md"
     report.write_text("\n".join(lines))
-    summary = {"args": train_args, "rows": rows, "convergence": seeds}
+    summary = {"args": train_args, "setup": setup, "rows": rows, "convergence": seeds}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return report

@@ -29,6 +29,12 @@ def test_compare_runs_both_arms_and_writes_the_report(tmp_path):
     assert (out / "val_loss_vs_step.png").stat().st_size > 1000
     assert "routes [(1, 3)]" in (out / "seed0" / "tread" / "stdout.log").read_text()
     assert "routes none" in (out / "seed0" / "baseline" / "stdout.log").read_text()
+    setup = json.loads((out / "summary.json").read_text())["setup"]
+    assert (setup["tokens"], setup["kept"], setup["tread"]["routes"]) == (16, 8, [[1, 3]])
+    assert setup["baseline"]["routes"] == [] and setup["parameters"] > 0
+    # 2 of 4 blocks at half the tokens: each costs between a quarter (attention) and a half
+    assert 4 / 3 * 0.99 < setup["flop_ratio"] < 4 / 2.5
+    assert "16 tokens (8 kept inside the route)" in report
     rebuilt = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "compare.py"), "--out", str(out), "--report-only"],
         capture_output=True, text=True, timeout=120, cwd=ROOT,
