@@ -39,6 +39,7 @@ from tread_fx.passes.stacks import (
     resolve_block_lists,
     shown,
 )
+from tread_fx.passes.stream_lists import unpack_handed_containers
 from tread_fx.passes.token_major import check_stream_rank
 from tread_fx.passes.trace import MODEL_PREFIX, TensorMeta, TracedCall
 
@@ -144,6 +145,7 @@ def locate(
     calls = block_calls(traced, list_paths)
     primary = main_input(traced.gm.graph) if primary is None else primary
     chain = choose_stack(model, calls, None if explicit else primary, explicit)
+    unpack_handed_containers(traced.gm, [node for path in chain for node in calls[path]])
     while True:
         nodes = [(path, node) for path in chain for node in calls[path]]
         blocks = [

@@ -184,10 +184,14 @@ def _nested_member_of(target: str, lists: dict) -> str | None:
 
 
 def _valid_sequence(model: nn.Module, path: str, nodes: list[fx.Node]) -> bool:
+    """Members called once each, in order, each on what the one before computed: parallel
+    calls on one input (patch embedders at several scales, per-branch heads) are no stack."""
     names = [n for n, _ in model.get_submodule(path).named_children()]
     start = len(MODEL_PREFIX) + (len(path) + 1 if path else 0)
     called = [n.target[start:].split(".")[0] for n in nodes]  # member i (of a nested one too)
-    return called == names
+    if called != names:
+        return False
+    return all(a in ancestors(b, {a}) for a, b in zip(nodes, nodes[1:]))
 
 
 def _shape_distance(a: object, b: object) -> int | None:
