@@ -16,6 +16,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from tread_fx.errors import TokenStreamError
 from tread_fx.passes.stacks import ancestors
 from tread_fx.passes.trace import TensorMeta
 
@@ -51,6 +52,12 @@ def joint_parts(
     declared = getattr(model, "num_prefix_tokens", None)
     if keep_prefix is not None:
         prefix = keep_prefix
+        if prefix + suffix >= num_tokens:
+            raise TokenStreamError(
+                f"keep_prefix={keep_prefix} leaves no token to route:\nthe stream has "
+                f"{num_tokens} tokens ({suffix} trailing ones never routed); pass a smaller "
+                "keep_prefix, or None to detect the cls/register tokens."
+            )
     elif isinstance(declared, int) and _concatenated(stream0, token_dim, num_tokens):
         prefix = declared  # the model's own count of the tokens it concatenates in front
     return prefix, suffix

@@ -70,8 +70,15 @@ def test_a_kept_count_of_zero_is_refused():
     # rate < 1 always keeps a token of a non-empty set; with every token a prefix token
     # there is nothing to select from
     model = _route([(0, 2)], model=AllPrefix(), keep_prefix=4).train()
-    with pytest.raises(errors.InvalidRateError, match="keeps 0 of 0"):
+    with pytest.raises(errors.TokenStreamError, match="keep_prefix=4 leaves no token to route"):
         model(torch.randn(2, 4, 4))
+    assert model(torch.randn(2, 8, 4)).shape == (2, 8, 4)  # the model stays usable
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "1"])
+def test_keep_prefix_must_be_a_count(bad):
+    with pytest.raises(errors.TokenStreamError, match=f"keep_prefix={bad!r} was given"):
+        _route([(1, 3)], keep_prefix=bad)
 
 
 def test_no_block_stack_lists_candidates_and_suggests_blocks():

@@ -25,7 +25,7 @@ from typing import Any
 
 from torch import nn
 
-from tread_fx.errors import BlockStackNotFoundError
+from tread_fx.errors import BlockStackNotFoundError, TokenStreamError
 from tread_fx.passes.locate import candidate_stacks, resolve_block_lists
 from tread_fx.passes.rewrite import Reinsert
 from tread_fx.passes.stream_choice import check_stream_option
@@ -177,9 +177,11 @@ def resolve_config(
         InvalidRateError: the rate is not in [0, 1).
         SelectionError: the selection strategy is unknown.
         BlockStackNotFoundError: ``blocks=`` names no container, or none can be found.
-        TokenStreamError: ``stream=`` names no argument of the model's forward.
+        TokenStreamError: ``stream=`` names no argument of the model's forward, or
+            ``keep_prefix`` is not an int >= 0.
     """
     check_stream_option(model, stream)
+    _check_keep_prefix(keep_prefix)
     strategy = get_strategy(selection)
     parsed = parse_routes(routes, rate)
     list_paths = resolve_block_lists(model, blocks)
@@ -202,3 +204,14 @@ def resolve_config(
         depth=depth,
         resolved=resolved,
     )
+
+
+def _check_keep_prefix(keep_prefix: object) -> None:
+    ok = keep_prefix is None or (
+        isinstance(keep_prefix, int) and not isinstance(keep_prefix, bool) and keep_prefix >= 0
+    )
+    if not ok:
+        raise TokenStreamError(
+            f"keep_prefix={keep_prefix!r} was given; it counts the leading tokens never routed "
+            "(cls/register tokens) and must be an int >= 0, or None to detect them."
+        )
