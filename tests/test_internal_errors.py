@@ -6,6 +6,7 @@ that raises when called (so the innermost Python frame is tread_fx's, as for a r
 
 from __future__ import annotations
 
+import importlib
 import operator
 
 import pytest
@@ -82,6 +83,13 @@ def test_a_fault_in_each_stage_is_a_named_internal_error(monkeypatch, where):
 def test_explain_names_an_internal_error_too(monkeypatch):
     monkeypatch.setattr(locate_pass, "_carried_slots", _fault())
     with pytest.raises(TreadFxInternalError, match="while locating"):
+        tread_fx.explain(Tiny(), [(1, 3)], 0.5, (torch.randn(B, N, 4),), flops=False)
+
+
+def test_explains_trace_of_the_original_graph_is_a_stage_too(monkeypatch):
+    explain_module = importlib.import_module("tread_fx.inspection.explain")
+    monkeypatch.setattr(explain_module, "trace_call", _fault())
+    with pytest.raises(TreadFxInternalError, match="while tracing"):
         tread_fx.explain(Tiny(), [(1, 3)], 0.5, (torch.randn(B, N, 4),), flops=False)
 
 

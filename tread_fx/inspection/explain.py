@@ -58,6 +58,7 @@ from tread_fx.passes.stacks import argument_name
 from tread_fx.passes.token_major import token_major_unit
 from tread_fx.passes.trace import trace_call
 from tread_fx.pipeline import Built, build
+from tread_fx.stages import stage
 
 __all__ = ["explain", "Explanation", "RouteReport", "BlockReport", "SideInput", "FlopReport"]
 
@@ -315,10 +316,9 @@ def explain(
         say("tracing the routed call and planning the routes (one real forward)")
         built, refusal = _build(model, args, kwargs, config)
         say("tracing the original graph (one more real forward)")
-        with recording_specialisations() as records:
-            original = trace_call(
-                model, args, kwargs, block_leaf_paths(model, built.info.list_paths)
-            )
+        leaves = block_leaf_paths(model, built.info.list_paths)
+        with recording_specialisations() as records, stage("tracing", lambda: {"model": model}):
+            original = trace_call(model, args, kwargs, leaves)
         guards = signature_guards(model, args, kwargs)
         names = _placeholder_names(model, args, kwargs, original)
         guards += specialisation_guards(list(records), names)
