@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 import importlib
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,13 +26,16 @@ import torch
 from benchmarks.coverage_checks import Case
 from benchmarks.coverage_community_cases import _case, _dit_inputs, _gen
 
-__all__ = ["REPO_CASES", "SNAPSHOT_FILES", "import_snapshot"]
+__all__ = ["REPO_CASES", "SNAPSHOT_FILES", "import_snapshot", "make_snapshot"]
 
 # snapshot folder -> (repository, the files taken from it)
 SNAPSHOT_FILES = {
     "dit": ("facebookresearch/DiT", ["models.py"]),
     "sit": ("willisma/SiT", ["models.py"]),
-    "uvit": ("baofff/U-ViT", ["libs/uvit.py", "libs/uvit_t2i.py", "libs/timm.py"]),
+    "uvit": (
+        "baofff/U-ViT",
+        ["libs/__init__.py", "libs/uvit.py", "libs/uvit_t2i.py", "libs/timm.py"],
+    ),
     "mdt": ("sail-sg/MDT", ["masked_diffusion/models.py"]),
     "lightningdit": (
         "hustvl/LightningDiT",
@@ -40,6 +44,24 @@ SNAPSHOT_FILES = {
     "repa": ("sihyun-yu/REPA", ["models/sit.py", "models/mmdit.py"]),
     "tread": ("CompVis/tread", ["dit.py", "routing_module.py"]),
 }
+
+
+def make_snapshot(name: str, git_dir: Path, snapshots: Path) -> Path:
+    """Copy the model files of repository ``name`` from a clone (or bare mirror) at its HEAD
+    into ``snapshots/name`` and record the commit in ``snapshots/name/COMMIT``.
+
+    Command line: ``python -m benchmarks.coverage_community_repos NAME GIT_DIR SNAPSHOTS``.
+    """
+    folder = Path(snapshots) / name
+    folder.mkdir(parents=True, exist_ok=True)
+    git = ["git", f"--git-dir={Path(git_dir)}"] if Path(git_dir, "HEAD").exists() else [
+        "git", "-C", str(git_dir)]  # fmt: skip
+    archive = subprocess.run([*git, "archive", "HEAD", *SNAPSHOT_FILES[name][1]], check=True,
+                             capture_output=True)  # fmt: skip
+    subprocess.run(["tar", "-x", "-C", str(folder)], input=archive.stdout, check=True)
+    commit = subprocess.run([*git, "rev-parse", "HEAD"], check=True, capture_output=True)
+    (folder / "COMMIT").write_text(commit.stdout.decode().strip() + "\n")
+    return folder
 
 
 def import_snapshot(root: Path, *modules: str) -> list[Any]:
@@ -184,3 +206,7 @@ REPO_CASES = {
     "repa": _repo_repa,
     "tread": _repo_tread,
 }
+
+
+if __name__ == "__main__":
+    print(make_snapshot(sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])))
