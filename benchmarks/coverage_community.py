@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Iterator
 from importlib import metadata
@@ -79,7 +80,8 @@ def snapshot_commits(snapshots: Path | None) -> dict[str, str]:
 
 
 def community_cases(source: str, snapshots: Path | None = None) -> Iterator[Case | tuple]:
-    """The cases of one source; ``(name, reason)`` where they cannot be made here.
+    """The cases of one source (their ``family`` is ``source``); ``(source, reason)`` where
+    they cannot be made here.
 
     Args:
         source: A name in :data:`SOURCES`.
@@ -94,6 +96,7 @@ def community_cases(source: str, snapshots: Path | None = None) -> Iterator[Case
             yield source, f"no snapshot: --snapshots DIR must hold {source}/ (docs/support.md)"
             return
     try:
-        yield from make() if where is None else make(where)
+        for case in make() if where is None else make(where):
+            yield dataclasses.replace(case, family=source)  # rows say their source
     except Exception as err:  # noqa: BLE001 - an import failure is "not buildable here"
         yield source, f"import: {type(err).__name__}: {str(err).splitlines()[0][:200]}"

@@ -164,7 +164,13 @@ def _repo_repa(root: Path) -> Iterator[Case]:
         "REPA",
         "SiT",
         lambda: sit.SiT(
-            depth=4, encoder_depth=2, z_dims=[32], projector_dim=64, qk_norm=False, **_DIT
+            depth=4,
+            encoder_depth=2,
+            z_dims=[32],
+            projector_dim=64,
+            qk_norm=False,
+            decoder_hidden_size=64,
+            **_DIT,
         ),
         _dit_inputs(),
         note="projector taps block 2's tokens (the REPA loss)",
@@ -173,16 +179,17 @@ def _repo_repa(root: Path) -> Iterator[Case]:
         "REPA",
         "MMDiT",
         lambda: mmdit.MMDiT(
-            input_size=8,
+            input_size=32,
             patch_size=2,
             in_channels=4,
-            depth=2,
-            encoder_depth=1,
+            depth=4,
+            encoder_depth=2,
             z_dims=[32],
             projector_dim=64,
         ),
         mmdit_inputs,
-        note="width is 32 x depth: depth 2 (width 64)",
+        note="width is 32 x depth (128 at depth 4); 8x8 latent (16 tokens) under a 16x16 "
+        "position table cropped to it; 8 context tokens",
     )
 
 

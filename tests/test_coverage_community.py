@@ -76,7 +76,7 @@ def test_a_community_run_replaces_only_its_own_section(tmp_path):
         "seconds": 1,
     }
     (tmp_path / "c.json").write_text(json.dumps({"timm": other}))
-    coverage_main(["community", "--only", "perceiver", "--out", str(tmp_path / "c")])
+    coverage_main(["community", "--only", "perceiver-pytorch", "--out", str(tmp_path / "c")])
     data = json.loads((tmp_path / "c.json").read_text())
     assert data["timm"] == other
     assert [r["verdict"] for r in data["community"]["rows"]] == ["refused"]
