@@ -23,6 +23,7 @@ from benchmarks.coverage_community import (
     community_cases,
     import_snapshot,
 )
+from benchmarks.coverage_community_cases import REFUSE_LATENTS
 
 COMMITTED = Path(__file__).resolve().parents[1] / "docs" / "results" / "coverage.json"
 SNAPSHOTS = os.environ.get("TREAD_FX_COMMUNITY_SNAPSHOTS", "")
@@ -68,19 +69,25 @@ def test_the_committed_table_is_the_current_population():
     assert all(r["expected"] for r in rows if r["verdict"] != "not buildable")
 
 
-def test_a_community_run_replaces_only_its_own_section(tmp_path):
-    other = {
-        "meta": {"source": "x"},
-        "rows": [{"name": "a", "verdict": "routes"}],
-        "date": "d",
-        "seconds": 1,
-    }
-    (tmp_path / "c.json").write_text(json.dumps({"timm": other}))
+def test_a_community_run_replaces_only_its_own_rows(tmp_path):
+    """Another population's section stays; ``--only`` keeps the other sources' rows."""
+    other = {"meta": {"source": "x"}, "rows": [{"name": "a", "verdict": "routes"}], "date": "d",
+             "seconds": 1}  # fmt: skip
+    kept = {"name": "DiT: DiT", "family": "dit", "verdict": "routes", "expected": "route"}
+    stale = {"name": "perceiver-pytorch: Perceiver", "family": "perceiver-pytorch",
+             "verdict": "broken", "expected": REFUSE_LATENTS}  # fmt: skip
+    community = {**other, "rows": [kept, stale]}
+    (tmp_path / "c.json").write_text(json.dumps({"timm": other, "community": community}))
     coverage_main(["community", "--only", "perceiver-pytorch", "--out", str(tmp_path / "c")])
     data = json.loads((tmp_path / "c.json").read_text())
     assert data["timm"] == other
-    assert [r["verdict"] for r in data["community"]["rows"]] == ["refused"]
-    assert "Expected to be refused: 1, refused: 1." in (tmp_path / "c.md").read_text()
+    rows = {r["name"]: r["verdict"] for r in data["community"]["rows"]}
+    assert rows == {"DiT: DiT": "routes", "perceiver-pytorch: Perceiver": "refused"}
+    text = (tmp_path / "c.md").read_text()
+    assert (
+        "Expected to route: 1, routing cleanly: 1 (100%). Expected to be refused: 1, "
+        "refused: 1." in text
+    )
 
 
 def test_a_snapshot_module_wins_over_a_package_of_the_same_name(tmp_path, monkeypatch):
