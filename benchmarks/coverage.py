@@ -7,9 +7,11 @@ subprocesses (a crash or a hang costs one row, not the sweep), ``-j`` at a time.
     python -m benchmarks.coverage diffusers --suite DIR [--commit SHA]   # diffusers' suite
     python -m benchmarks.coverage timm [--per-arch]                      # timm architectures
     python -m benchmarks.coverage transformers                           # SSM / hybrid LMs
+    python -m benchmarks.coverage community [--snapshots DIR]            # libraries, research
     python -m benchmarks.coverage report                                 # rewrite the .md
 
-``DIR`` is a folder holding diffusers' ``tests/`` (docs/support.md shows how to make it).
+``DIR`` is a folder holding diffusers' ``tests/``, or (community) one snapshot folder per
+research repository (docs/support.md shows how to make both).
 Results go to ``docs/results/coverage.json`` (one section per population; a run replaces its
 population's section) and ``docs/results/coverage.md`` (generated from the JSON).
 
@@ -34,7 +36,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-__all__ = ["main", "totals", "write_markdown", "run_population"]
+__all__ = ["main", "totals", "write_markdown", "run_population", "expectation_line"]
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results" / "coverage"
@@ -99,6 +101,10 @@ def _worker(argv: Sequence[str]) -> None:
         from benchmarks.coverage_sources import transformers_cases
 
         _judge_all(transformers_cases())
+    elif family == "community":
+        from benchmarks.coverage_community import community_cases
+
+        _judge_all(community_cases(rest[0], Path(rest[1]) if rest[1:] else None))
     elif family == "timm":
         _judge_all(_timm_cases(rest[0].split(",")))
     else:
@@ -206,6 +212,26 @@ def _sweep_transformers(args: argparse.Namespace) -> tuple[list, dict]:
     return rows, meta
 
 
+def _sweep_community(args: argparse.Namespace) -> tuple[list, dict]:
+    from benchmarks.coverage_community import SOURCES, package_versions, snapshot_commits
+
+    snapshots = [str(Path(args.snapshots).resolve())] if args.snapshots else []
+    sources = [s for s in SOURCES if not args.only or s in args.only]
+    jobs = [(["community", s, *snapshots], s) for s in sources]
+    rows = run_population(jobs, args.jobs, timeout=CASE_TIMEOUT_S * 10)
+    if args.only:  # the other sources keep their rows from the last run
+        old = _load(args.out.with_suffix(".json")).get("community", {}).get("rows", [])
+        rows = [r for r in old if (r.get("family") or r["name"]) not in sources] + rows
+    meta = {
+        "source": f"{len(SOURCES)} sources outside diffusers, timm and transformers: model "
+        "libraries from the package index and research repositories' model files (snapshots), "
+        "tiny configs in benchmarks/coverage_community.py",
+        "packages": package_versions(),
+        "repositories": snapshot_commits(Path(args.snapshots) if args.snapshots else None),
+    }
+    return rows, meta
+
+
 def _load(path: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
@@ -221,6 +247,35 @@ def _causes(rows: list[dict]) -> list[tuple[str, int]]:
         if r["verdict"] in ("refused", "broken", "wrong stream")
     )
     return causes.most_common()
+
+
+_HEADERS = {"name": "model", "flop_ratio": "FLOP ratio"}
+
+
+def _meta(value: Any) -> str:
+    if isinstance(value, dict):
+        return ", ".join(f"{k} `{v}`" for k, v in value.items())
+    return f"`{value}`"
+
+
+def expectation_line(rows: list[dict]) -> str:
+    """How the verdicts meet the expected ones: the share of should-route models routing,
+    and how many should-refuse models are refused.
+
+    Example:
+        >>> expectation_line([{"verdict": "routes", "expected": "route"},
+        ...                   {"verdict": "refused", "expected": "refuse: conv U-Net"}])
+        'Expected to route: 1, routing cleanly: 1 (100%). Expected to be refused: 1, refused: 1.'
+    """
+    should = [r for r in rows if r.get("expected") == "route"]
+    routes = sum(r["verdict"] == "routes" for r in should)
+    share = f" ({100 * routes / len(should):.0f}%)" if should else ""
+    refuse = [r for r in rows if str(r.get("expected", "")).startswith("refuse")]
+    refused = sum(r["verdict"] == "refused" for r in refuse)
+    return (
+        f"Expected to route: {len(should)}, routing cleanly: {routes}{share}. "
+        f"Expected to be refused: {len(refuse)}, refused: {refused}."
+    )
 
 
 def write_markdown(data: dict, path: Path) -> None:
@@ -249,25 +304,22 @@ def write_markdown(data: dict, path: Path) -> None:
         )
     for family, section in data.items():
         lines += ["", f"## {family}", "", f"Source: {section['meta'].get('source', '')}."]
-        lines += [f"- {k}: `{v}`" for k, v in section["meta"].items() if k != "source"]
+        lines += [f"- {k}: {_meta(v)}" for k, v in section["meta"].items() if k != "source"]
         lines += [f"- run: {section['date']}, {section['seconds']:.0f} s"]
         causes = _causes(section["rows"])
         if causes:
             lines += ["", "Not routed, by cause:", ""] + [f"- {n} x {c}" for c, n in causes]
+        keys = ["name", "verdict", "stage", "reason", "tokens", "flop_ratio", "note"]
+        if any(r.get("expected") for r in section["rows"]):
+            keys.insert(2, "expected")
+            lines += ["", expectation_line(section["rows"])]
         lines += [
             "",
-            "| model | verdict | stage | reason | tokens | FLOP ratio | note |",
-            "|---|---|---|---|---|---|---|",
+            "| " + " | ".join(_HEADERS.get(k, k) for k in keys) + " |",
+            "|" + "---|" * len(keys),
         ]
         for r in sorted(section["rows"], key=lambda r: (r["verdict"], r["name"])):
-            lines.append(
-                "| "
-                + " | ".join(
-                    _cell(r.get(k))
-                    for k in ("name", "verdict", "stage", "reason", "tokens", "flop_ratio", "note")
-                )
-                + " |"
-            )
+            lines.append("| " + " | ".join(_cell(r.get(k)) for k in keys) + " |")
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -282,10 +334,13 @@ def _parser() -> argparse.ArgumentParser:
     t = sub.add_parser("timm", help="every timm architecture with a block stack")
     t.add_argument("--per-arch", action="store_true", help="one model per (model, block) class")
     f = sub.add_parser("transformers", help="transformers' state-space and hybrid models")
-    for s in (d, t):
+    c = sub.add_parser("community", help="model libraries and research repositories")
+    c.add_argument("--snapshots", default="", help="folder of research-repository snapshots")
+    c.epilog = "--only SOURCE... re-runs those sources; the others keep their last rows"
+    for s in (d, t, c):
         s.add_argument("--only", nargs="*", default=[], help="substrings of names to keep")
         s.add_argument("-j", "--jobs", type=int, default=2, help="worker processes at once")
-    for s in (d, t, f):
+    for s in (d, t, f, c):
         s.add_argument("--out", type=Path, default=RESULTS, help="output path without suffix")
         s.add_argument("--no-write", action="store_true", help="print only")
     r = sub.add_parser("report", help="regenerate the markdown from the JSON")
@@ -310,6 +365,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "diffusers": _sweep_diffusers,
         "timm": _sweep_timm,
         "transformers": _sweep_transformers,
+        "community": _sweep_community,
     }
     sweep = sweeps[args.population]
     rows, meta = sweep(args)

@@ -64,6 +64,8 @@ class Case:
         note: How the case was built (e.g. layer counts raised), shown in the table.
         noisy: The forward argument holding the noisy input (keyword name or position;
             ``None``: the first positional argument, else the first tensor keyword).
+        expected: The verdict expected where it is known (``route``, or ``refuse: <why>``);
+            shown in the table, it never changes the verdict.
     """
 
     name: str
@@ -73,6 +75,7 @@ class Case:
     routes: list = field(default_factory=lambda: list(DEFAULT_ROUTES))
     note: str = ""
     noisy: str | int | None = None
+    expected: str = ""
 
 
 @dataclass
@@ -90,6 +93,7 @@ class Verdict:
     tokens: str = ""
     flop_ratio: float | None = None
     seconds: float = 0.0
+    expected: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -320,7 +324,7 @@ def judge(case: Case, route_fn: Callable = tread_fx.route) -> Verdict:
     Returns:
         The :class:`Verdict`.
     """
-    verdict = Verdict(case.name, case.family, "routes", note=case.note)
+    verdict = Verdict(case.name, case.family, "routes", note=case.note, expected=case.expected)
     started = time.perf_counter()
     try:
         try:

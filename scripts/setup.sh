@@ -41,12 +41,14 @@ else
   "${PIP[@]}" "torch==2.14.1" "torchvision==0.29.1"
 fi
 EXTRAS="import tread_fx, timm, diffusers, transformers, accelerate, pytest, xdist, hypothesis, mambapy, einops, sklearn, mlxtend, torchmetrics, safetensors, tqdm, matplotlib, PIL"
+# the community extra: model libraries of the coverage sweep's community population
+EXTRAS="$EXTRAS, vit_pytorch, x_transformers, mmdit, perceiver_pytorch, denoising_diffusion_pytorch, open_clip, monai, fairscale"
 if .venv/bin/python -c "$EXTRAS" 2>/dev/null; then
-  stage "tread_fx and its test/training extras: installed, checking quietly"
-  "${PIP[@]}" -q -e ".[test]"
+  stage "tread_fx and its test/training/community extras: installed, checking quietly"
+  "${PIP[@]}" -q -e ".[test,community]"
 else
-  stage "tread_fx (editable) + test/training extras (diffusers, transformers, timm, ...): pip follows"
-  "${PIP[@]}" -e ".[test]"
+  stage "tread_fx (editable) + test/training/community extras (diffusers, transformers, timm, ...): pip follows"
+  "${PIP[@]}" -e ".[test,community]"
 fi
 stage "checking that torch, timm and tread_fx import"
 .venv/bin/python -c "import torch, timm, tread_fx; tread_fx.route" >/dev/null

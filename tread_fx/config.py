@@ -99,7 +99,10 @@ class RoutingConfig:
 
 def _takes_input(member: nn.Module) -> bool:
     """Whether a container member can receive a value: a forward with some parameter (or a
-    nested list of sub-blocks, one of which can). Unknown signatures count as taking one."""
+    nested list of sub-blocks, one of which can). Unknown signatures count as taking one; an
+    empty slot (``None`` in a ``ModuleList``) takes nothing."""
+    if member is None:
+        return False
     if isinstance(member, nn.ModuleList):
         return any(_takes_input(sub) for sub in member)
     if type(member).forward is nn.Module.forward:  # ModuleDict, ParameterList: no forward
