@@ -24,7 +24,6 @@ import torch
 import torch.fx as fx
 
 from tread_fx.adapters import SideValue, StreamLayout, adapters
-from tread_fx.adapters.hints import hinted_use
 from tread_fx.adapters.values import NO_BATCH_DIM
 from tread_fx.errors import InvalidRateError, SelectionError, SideInputError, TokenStreamError
 from tread_fx.passes.dataflow import data_ancestors
@@ -43,7 +42,7 @@ from tread_fx.passes.streams import (
 )
 from tread_fx.passes.token_counts import count_arguments
 from tread_fx.passes.trace import TensorMeta
-from tread_fx.passes.uses import hint_warning, how_used, reached_ops, route_uses, value_uses
+from tread_fx.passes.uses import how_used, reached_ops, route_uses, shape_warning, value_uses
 from tread_fx.routes import Route
 from tread_fx.runtime.selection import Strategy, kept_units
 
@@ -198,7 +197,6 @@ def _side_value(g, node, users, region, info, layout, block_nodes, uses) -> Side
     )
     meta = node.meta.get("tread_meta")
     use = use.value if use is not None else None
-    hint = hinted_use(frozenset(names)) if use in (None, "unknown") else None
     return SideValue(
         node=node,
         meta=meta,
@@ -209,9 +207,8 @@ def _side_value(g, node, users, region, info, layout, block_nodes, uses) -> Side
         from_stream=node is info.primary or nx.has_path(g, info.primary, node),
         combined_with_stream=combined,
         from_inputs=_from_inputs(node),
-        use=hint or use,
+        use=use,
         reaches=frozenset(reached_ops(node, receiving)),
-        hinted=hint is not None,
     )
 
 
@@ -232,9 +229,9 @@ def _classify_entering(side: SideValue, users, carried_slot, family, strict: boo
         if adapter.matches(side):
             options = adapter.options(side) if adapter.options is not None else {}
             reason = f"adapter '{adapter.name}'"
-            if side.hinted and adapter.builtin:
-                reason += f" (by the name {sorted(side.arg_names)})"
-                warnings.warn(hint_warning(side, adapter.name), stacklevel=2)
+            if adapter.builtin and adapter.by_shape_only:
+                reason += " (by its shape: its use is not seen)"
+                warnings.warn(shape_warning(side, adapter.name), stacklevel=2)
             return Crossing(
                 node, adapter.action, reason, users, None, options, adapter.shares_selection
             )

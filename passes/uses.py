@@ -17,7 +17,7 @@ the uses it meets decide what it is (first match in this order):
 - ``context``: a matmul/attention operand against the stream (cross-attention keys and
   values), or concatenated to the stream along the tokens: passed.
 - ``unknown``: it meets the stream only in an op tread_fx cannot see into (a leaf module):
-  decided by shape, or by a name hint that is reported (:mod:`tread_fx.adapters.hints`).
+  the rules decide by its shape against the stream and say so (:func:`shape_warning`).
 - ``none``: none of these (per-sample, global, unused): passed.
 
 An int argument is a count only if it sizes, slices or splits a token dim of a tensor
@@ -26,7 +26,7 @@ computed from the stream (``view``/``reshape``/``unflatten`` of its token dim,
 by coincidence) is never rewritten. A block that cannot be traced through has no uses
 (``None``).
 
-Names play no part here; the plan shows them as hints.
+Names play no part here (nor anywhere a side value is decided); the plan shows them as hints.
 
 Example:
     >>> Use.MASK.value
@@ -57,7 +57,7 @@ __all__ = [
     "reached_ops",
     "value_uses",
     "how_used",
-    "hint_warning",
+    "shape_warning",
 ]
 
 
@@ -470,18 +470,19 @@ def route_uses(gm: fx.GraphModule, blocks: list[BlockCall], layout: Any, token_d
     return block_uses(gm, blocks, tokens, token_dim)
 
 
-def hint_warning(side: SideValue, rule: str) -> str:
-    """The warning for a value a name hint decided (see :mod:`tread_fx.adapters.hints`).
+def shape_warning(side: SideValue, rule: str) -> str:
+    """The warning for a value whose use the blocks do not show, decided by its shape.
 
     Example:
-        >>> # see tests/test_third_party_transformers.py (a mask inside a leaf mixer)
+        >>> # see tests/test_side_uses.py (a key mask handed to a leaf module)
     """
-    how = how_used(side).strip()
+    shape = getattr(side.meta, "shape", side.meta)
     return (
-        f"value '{side.node.name}' {sorted(side.arg_names)} was taken for {side.use} by its "
-        f"argument name (rule '{rule}'): {how} Renaming the "
-        "argument would change this; register a tread_fx.adapters.Adapter for the value to "
-        "decide it explicitly."
+        f"value '{side.node.name}' with shape {shape} (received as {sorted(side.arg_names)}) "
+        f"was taken for per-token values by its shape (rule '{rule}'): its token rows are "
+        f"cut to the kept tokens.{how_used(side)} If it is not per token (another sequence "
+        "of the same length, a per-sample value), register a tread_fx.adapters.Adapter for "
+        "it (action 'pass')."
     )
 
 
@@ -491,7 +492,7 @@ def how_used(side: SideValue) -> str:
     Example:
         >>> # see tests/test_adapters.py (a table handed to a leaf module)
     """
-    if side.use is None or side.hinted:
+    if side.use in (None, Use.UNKNOWN.value):
         if not side.reaches:
             return " No block receiving it could be traced through to see how it is used."
         ops = ", ".join(sorted(side.reaches))

@@ -56,6 +56,8 @@ class Adapter:
             across the batch.
         diagnose: ``diagnose(side) -> str | None``: for a value the rule is meant for but
             cannot handle, why (added to strict mode's refusal).
+        by_shape_only: A built-in rule for values whose use the blocks do not show: what it
+            decides is reported with a warning naming the value and how to override it.
     """
 
     name: str
@@ -66,6 +68,7 @@ class Adapter:
     options: Callable[[SideValue], dict[str, Any]] | None = field(default=None, compare=False)
     shares_selection: bool = False
     diagnose: Callable[[SideValue], str | None] | None = field(default=None, compare=False)
+    by_shape_only: bool = field(default=False, compare=False)
 
 
 _ADAPTERS: list[Adapter] = []
