@@ -209,6 +209,7 @@ def _side_value(g, node, users, region, info, layout, block_nodes, uses) -> Side
         from_inputs=_from_inputs(node),
         use=use,
         reaches=frozenset(reached_ops(node, receiving)),
+        primary=info.primary,
     )
 
 

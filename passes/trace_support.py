@@ -4,7 +4,7 @@
   without grad (diffusers checkpoints blocks only when ``torch.is_grad_enabled()``).
 - :func:`factories_take_proxies`: ``torch.ones(b, n)`` with traced sizes, and every random
   draw, become graph calls.
-- :func:`name_placeholders`: each tensor input's argument name, for rules keyed on it.
+- :func:`name_placeholders`: each tensor input's argument name (for messages, ``stream=``).
 - :func:`refuse_python_random`: Python-level random draws in traced code refuse to be baked in.
 - :func:`checkpoint_as_plain_call`: blocks called through activation checkpointing are traced
   as plain, marked calls.

@@ -90,6 +90,8 @@ class SideValue:
             when no block receiving it could be traced through. Built-in rules decide by
             this and the shapes; ``arg_names`` are hints for ``explain`` and user adapters.
         reaches: Names of the block ops that read it first (for refusal messages).
+        primary: The model input the routed stream comes from (ties between table parts
+            of N rows go to the part computed from it).
     """
 
     node: fx.Node
@@ -103,6 +105,7 @@ class SideValue:
     from_inputs: bool = False
     use: str | None = None
     reaches: frozenset[str] = frozenset()
+    primary: fx.Node | None = None
 
     def dims_of_size(self, size: int) -> list[int]:
         """Dims (other than batch) of the value whose size is ``size``."""
