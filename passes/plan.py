@@ -68,6 +68,8 @@ class Crossing:
         shares_selection: The adapter needs the route's selection shared across the batch.
         prefix_shift: For the scattered token stream of a route that crosses a concatenation
             of other tokens in front of it: their count (they leave processed, never routed).
+        segments: The value holds a packed stream's segment boundaries (``"offsets"`` or
+            ``"ids"``), as the rule that decided says.
     """
 
     node: fx.Node
@@ -77,6 +79,7 @@ class Crossing:
     counterpart: fx.Node | None = None
     options: dict[str, Any] = field(default_factory=dict)
     shares_selection: bool = False
+    segments: str | None = None
     prefix_shift: int = 0  # scattered stream: tokens concatenated in front inside the route
 
 
@@ -233,9 +236,8 @@ def _classify_entering(side: SideValue, users, carried_slot, family, strict: boo
             if adapter.builtin and adapter.by_shape_only:
                 reason += " (by its shape: its use is not seen)"
                 warnings.warn(shape_warning(side, adapter.name), stacklevel=2)
-            return Crossing(
-                node, adapter.action, reason, users, None, options, adapter.shares_selection
-            )
+            shares, segments = adapter.shares_selection, adapter.segments
+            return Crossing(node, adapter.action, reason, users, None, options, shares, segments)
     notes = [f"{a.name}: {n}" for a in adapters() if a.diagnose and (n := a.diagnose(side))]
     if side.token_aligned or _looks_token_aligned(side) or notes:
         shape = getattr(side.meta, "shape", side.meta)

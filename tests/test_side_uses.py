@@ -277,13 +277,7 @@ class Hybrid(nn.Module):
 
 
 def test_a_value_an_untraceable_block_receives_is_never_taken_for_unused():
-    """The traced blocks ignore the table, the others cannot be seen into: not 'none' (passed)
-    but per token by its shape, with a warning saying so and how to override it."""
+    """The traced blocks ignore the table, the others cannot be seen into: not 'none'."""
     model = tread_fx.route(Hybrid(), routes=[(0, 4)], seed=0).train()
-    table = torch.randn(B, N, D)
-    seen = []
-    model.blocks[2].register_forward_pre_hook(lambda m, args: seen.append(args[1]))
-    with pytest.warns(UserWarning, match=r"(?s)'per-token-by-shape'.*traced through.*'pass'"):
-        model(torch.randn(B, N, D), table)
-    kept = tread_fx.route_info(model)[0].kept
-    assert torch.equal(seen[-1], table.gather(1, kept[..., None].expand(-1, -1, D)))
+    with pytest.raises(tread_fx.SideInputError, match=r"(?s)\[.table.\].*traced through"):
+        model(torch.randn(B, N, D), torch.randn(B, N, D))

@@ -37,7 +37,7 @@ from tread_fx.adapters.token_tables import (
 from tread_fx.adapters.values import NO_BATCH_DIM, TensorMeta
 from tread_fx.runtime.packed import kept_offsets
 
-__all__ = ["BUILTIN_ADAPTERS", "PACKED_BOUNDARIES"]
+__all__ = ["BUILTIN_ADAPTERS"]
 
 
 def _table_batch(side: SideValue) -> tuple[bool, int | None]:
@@ -134,11 +134,13 @@ def _unseen(side: SideValue) -> bool:
 
 
 def _laid_out_like_stream(side: SideValue) -> RowMap | None:
-    """Use unseen, and laid out like the stream: the batch at the stream's batch dim and one
-    dim of token rows, at the stream's token dim (``[B, N]``, ``[B, N, d]``); no other dim of
-    that size."""
+    """Use unseen, and one value per token and sample: two dims, the batch at the stream's
+    batch dim and the token rows at its token dim (``[B, N]``). A value with features
+    (``[B, N, d]``) may be another sequence of the same length: not matched."""
     is_table, batch = _table_batch(side)
     if not (_unseen(side) and is_table) or batch is None or batch != side.stream.batch_dim:
+        return None
+    if len(tensor_metas(side.meta)[0].shape) != 2:
         return None
     rows = find_rows(side, batch=batch, features_last=False, all_dims=False)
     if rows is None or rows.dims != (side.stream.token_dim,) or rows.lead or rows.trail:
@@ -157,10 +159,6 @@ def _token_index_rows(side: SideValue) -> RowMap | None:
     if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
         return None
     return find_rows(side, batch=None, features_last=False, all_dims=False)
-
-
-# rule name -> how select_segments reads the boundaries of a packed stream's segments
-PACKED_BOUNDARIES = {"packed-offsets": "offsets", "packed-segment-ids": "ids"}
 
 
 def _is_integer_vector(side: SideValue) -> bool:
@@ -239,6 +237,7 @@ BUILTIN_ADAPTERS: tuple[Adapter, ...] = (
             "upper bound for the kept segments."
         ),
         builtin=True,
+        segments="offsets",
     ),
     Adapter(
         name="packed-segment-ids",
@@ -253,6 +252,7 @@ BUILTIN_ADAPTERS: tuple[Adapter, ...] = (
             "blocks build from them stay per segment."
         ),
         builtin=True,
+        segments="ids",
     ),
     Adapter(
         name="broadcast-over-tokens",
@@ -461,13 +461,13 @@ BUILTIN_ADAPTERS: tuple[Adapter, ...] = (
         options=lambda side: _laid_out_like_stream(side).options(side.stream.batch_dim),
         doc=(
             "Only where the blocks' use of it is not seen (it meets the stream only inside a "
-            "leaf module, or no block receiving it could be traced through): a value laid out "
-            "like the stream, with the batch at the stream's batch dim and exactly one dim "
-            "of N (or N - prefix) rows at the stream's token dim ([B, N] key masks, [B, N, d] "
-            "per-token values), is taken for per-token values and its rows are gathered per "
-            "sample. Reported with a warning naming the value; an Adapter with action 'pass' "
-            "overrides it (another sequence of the same length). Values with several "
-            "token-sized dims ([B, N, N]) or no batch dim are refused in strict mode."
+            "leaf module, or no block receiving it could be traced through): one value per "
+            "token and sample, [B, N] with the batch and the N (or N - prefix) token rows at "
+            "the stream's batch and token dims (a key mask, per-token ids), is taken for "
+            "per-token values and gathered per sample. Reported with a warning naming the "
+            "value; an Adapter with action 'pass' overrides it (a mask of another sequence "
+            "of the same length). Values with features ([B, N, d]: maybe another sequence), "
+            "several token-sized dims ([B, N, N]) or no batch dim are refused in strict mode."
         ),
         builtin=True,
         by_shape_only=True,
