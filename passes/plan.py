@@ -170,8 +170,8 @@ def _region(g: nx.DiGraph, info: StreamInfo, route: Route) -> tuple[set, fx.Node
 
 def _dict_keys_holding(block: Any, user: fx.Node, node: fx.Node) -> set[str]:
     """``argument.key`` for each dict argument through which a block receives ``node``:
-    ``attention_kwargs.attention_mask``, ``rotary_emb.query``. Rules match either part
-    (the key names a mask; the argument names a rotary table)."""
+    ``attention_kwargs.attention_mask``, ``rotary_emb.query`` (hints for messages and user
+    adapters; no built-in rule reads them)."""
     return {
         f"{argument_name(block, slot)}.{k}"
         for slot, a in argument_items(user)
