@@ -39,7 +39,14 @@ from tread_fx.passes.trace import ARG_MODULE_PREFIX, MODEL_PREFIX, TracedCall, t
 from tread_fx.passes.trace_support import has_call_hooks
 from tread_fx.runtime.guards import check_traced_value
 
-__all__ = ["InlineBlock", "EXAMPLE_KEY", "find_token_tables", "inline_token_tables", "pack"]
+__all__ = [
+    "InlineBlock",
+    "EXAMPLE_KEY",
+    "find_token_tables",
+    "inline_token_tables",
+    "pack",
+    "trace_through",
+]
 
 EXAMPLE_KEY = "tread_example_inputs"
 _CONST_PREFIX = "tread_inline_const_"
@@ -234,17 +241,24 @@ def _fetch(root: nn.Module, target: str) -> Any:
     return obj
 
 
-def _trace_block(gm: fx.GraphModule, block: BlockCall, example: Any) -> TracedCall | None:
-    module = gm.get_submodule(block.node.target)
-    if any(has_call_hooks(m) for m in module.modules()):
-        return None  # FSDP units, checkpoint wrappers, user hooks: never called an extra time
+def trace_through(module: nn.Module, example: Any, *, inlined: bool) -> TracedCall | None:
+    """``module`` (a routed block) traced through on its example inputs, or ``None``.
+
+    Hooks of its parts are never called an extra time (FSDP units, checkpoint wrappers, user
+    hooks); a block to be ``inlined`` must have none itself either (inlining would skip them)
+    and read no tensor data (its guards would check another block's data). For its graph
+    only (``inlined=False``: :mod:`tread_fx.passes.uses`), the block's own hooks and data
+    guards are fine.
+    """
+    if any(has_call_hooks(m) for m in module.modules() if inlined or m is not module):
+        return None
     args, kwargs = example
     try:
         traced = trace_call(module, tuple(args), dict(kwargs), leaf_paths=set())
     except Exception:  # noqa: BLE001 - a block that cannot be traced through stays one call
         return None
-    if any(n.target is check_traced_value for n in traced.gm.graph.nodes):
-        return None  # it reads tensor data: its guards would check another block's data
+    if inlined and any(n.target is check_traced_value for n in traced.gm.graph.nodes):
+        return None
     return traced
 
 
@@ -274,7 +288,7 @@ def find_token_tables(
         if example is None or _flat_inputs(block.node, example) is None:
             verdict[cls] = False
             continue
-        traced = _trace_block(gm, block, example)
+        traced = trace_through(gm.get_submodule(block.node.target), example, inlined=True)
         if traced is None:
             verdict[cls] = False
             continue

@@ -43,11 +43,9 @@ import torch.fx as fx
 from torch import nn
 
 from tread_fx.adapters.values import SideValue, TensorMeta
-from tread_fx.passes.inline_tables import _example_of, _flat_inputs, _is_tensorish
+from tread_fx.passes.inline_tables import _example_of, _flat_inputs, _is_tensorish, trace_through
 from tread_fx.passes.locate import BlockCall, input_slots
 from tread_fx.passes.stacks import argument_items
-from tread_fx.passes.trace import trace_call
-from tread_fx.passes.trace_support import has_call_hooks
 
 __all__ = [
     "Use",
@@ -343,22 +341,10 @@ def _tagged_example(example: Any, node: fx.Node) -> Any:
     return tuple(args), kwargs
 
 
-def _trace(module: nn.Module, example: Any) -> Any:
-    """Trace ``module`` through for its graph only (never run as a graph: data guards are
-    fine); hooks of the block itself are not called by the trace, those of its parts are."""
-    if any(has_call_hooks(m) for m in module.modules() if m is not module):
-        return None
-    args, kwargs = example
-    try:
-        return trace_call(module, tuple(args), dict(kwargs), leaf_paths=set())
-    except Exception:  # noqa: BLE001 - a block that cannot be traced through has no uses
-        return None
-
-
 def _class_uses(gm, block: BlockCall, example: Any, leaves, tokens, token_dim):
     """(use per flat tensor position, count slots) of one block class, or ``None``."""
     module = gm.get_submodule(block.node.target)
-    traced = _trace(module, _tagged_example(example, block.node))
+    traced = trace_through(module, _tagged_example(example, block.node), inlined=False)
     if traced is None:
         return None
     placeholders = [n for n in traced.gm.graph.nodes if n.op == "placeholder"]
