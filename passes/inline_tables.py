@@ -162,10 +162,15 @@ def _meta_at(node: fx.Node, path: tuple) -> TensorMeta:
     return meta
 
 
-def _example_of(gm: fx.GraphModule, cls: type) -> Any | None:
-    for node in gm.graph.nodes:
-        if EXAMPLE_KEY in node.meta and type(gm.get_submodule(node.target)) is cls:
-            return node.meta[EXAMPLE_KEY]
+def _example_of(gm: fx.GraphModule, node: fx.Node) -> tuple[Any, list] | None:
+    """(example inputs, flat tensor inputs of ``node``) of the first kept call of the block's
+    class that ``node``'s call matches, or ``None``."""
+    cls = type(gm.get_submodule(node.target))
+    for other in gm.graph.nodes:
+        if EXAMPLE_KEY in other.meta and type(gm.get_submodule(other.target)) is cls:
+            leaves = _flat_inputs(node, other.meta[EXAMPLE_KEY])
+            if leaves is not None:
+                return other.meta[EXAMPLE_KEY], leaves
     return None
 
 
@@ -267,8 +272,8 @@ def find_token_tables(
 ) -> list[InlineBlock]:
     """The routed blocks that build token tables, each traced through.
 
-    One block of each class is traced first; the other blocks of a class are traced only
-    if that one holds a token table.
+    One block of each class (and call signature) is traced first; the other blocks of it
+    are traced only if that one holds a token table.
 
     Args:
         gm: The traced graph (block calls still single nodes with their example inputs).
@@ -278,23 +283,20 @@ def find_token_tables(
     Returns:
         One :class:`InlineBlock` per block with a token table.
     """
-    verdict: dict[type, bool] = {}
+    verdict: dict[tuple, bool] = {}
     found = []
     for block in blocks:
-        cls = type(gm.get_submodule(block.node.target))
-        if verdict.get(cls) is False:
+        kept = _example_of(gm, block.node)
+        key = (type(gm.get_submodule(block.node.target)), id(kept[0]) if kept else None)
+        if kept is None or verdict.get(key) is False:
             continue
-        example = _example_of(gm, cls)
-        if example is None or _flat_inputs(block.node, example) is None:
-            verdict[cls] = False
-            continue
-        traced = trace_through(gm.get_submodule(block.node.target), example, inlined=True)
+        traced = trace_through(gm.get_submodule(block.node.target), kept[0], inlined=True)
         if traced is None:
-            verdict[cls] = False
+            verdict[key] = False
             continue
         data = _data_nodes(traced.gm.graph)
         tables = _tables(traced, data, layout)
-        verdict.setdefault(cls, bool(tables))
+        verdict.setdefault(key, bool(tables))
         if tables:
             found.append(InlineBlock(block, traced, data, tables))
     return found

@@ -43,7 +43,7 @@ import torch.fx as fx
 from torch import nn
 
 from tread_fx.adapters.values import SideValue, TensorMeta
-from tread_fx.passes.inline_tables import _example_of, _flat_inputs, _is_tensorish, trace_through
+from tread_fx.passes.inline_tables import _example_of, _is_tensorish, trace_through
 from tread_fx.passes.locate import BlockCall, input_slots
 from tread_fx.passes.stacks import argument_items
 
@@ -378,7 +378,7 @@ def block_uses(
 
     Returns:
         Per block call node, its :class:`BlockUses`, or ``None`` when the block cannot be
-        traced through on a call matching this one (another shape than its class's first).
+        traced through (on the first call of its class with this call's signature).
 
     Example:
         >>> # see tests/test_side_uses.py
@@ -386,13 +386,12 @@ def block_uses(
     by_class = gm.graph.__dict__.setdefault("_tread_uses", {})
     found: dict[fx.Node, BlockUses | None] = {}
     for block in blocks:
-        cls = type(gm.get_submodule(block.node.target))
-        example = _example_of(gm, cls)
-        leaves = _flat_inputs(block.node, example) if example is not None else None
-        if leaves is None:
+        kept = _example_of(gm, block.node)
+        if kept is None:
             found[block.node] = None
             continue
-        key = (cls, frozenset(tokens), token_dim)
+        example, leaves = kept
+        key = (type(gm.get_submodule(block.node.target)), id(example), frozenset(tokens), token_dim)
         if key not in by_class:
             by_class[key] = _class_uses(gm, block, example, leaves, tokens, token_dim)
         known = by_class[key]
