@@ -18,6 +18,7 @@ import functools
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given
 from test_side_uses import (
     _SETTINGS,
@@ -184,3 +185,46 @@ def test_a_per_token_weight_an_untraceable_block_receives_is_decided_by_its_shap
     with warned, capture_block_inputs(routed.blocks[1]) as calls:
         routed(x, weight)
     assert torch.equal(calls[-1][0][1], weight.gather(1, tread_fx.route_info(routed)[0].kept))
+
+
+class MixedLayer(nn.Module):
+    """One class for a hybrid stack: attention layers get a mask, the others ``None``."""
+
+    def __init__(self, attends: bool) -> None:
+        super().__init__()
+        self.attends = attends
+        self.qkv, self.out = nn.Linear(D, 3 * D), nn.Linear(D, D)
+
+    def forward(self, x, zq=None):
+        if zq is None:
+            return x + self.out(torch.tanh(self.qkv(x)[..., :D]))
+        q, k, v = (t.unflatten(-1, (2, D // 2)).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        h = F.scaled_dot_product_attention(q, k, v, attn_mask=zq)
+        return x + self.out(h.transpose(1, 2).flatten(2))
+
+
+class MixedModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(MixedLayer(i % 2 == 1) for i in range(4))
+
+    def forward(self, x, keep):
+        mask = keep[:, None, None, :] & torch.ones(N, N, dtype=torch.bool).tril()
+        for block in self.blocks:
+            x = block(x, mask if block.attends else None)
+        return x
+
+
+def test_a_mask_only_the_later_layers_of_a_class_get_is_decided_by_its_use():
+    """The class's first call (no mask) is not the attention layers' call: they are traced
+    through on their own first call, and the mask is one by use, under any name."""
+    model = tread_fx.route(MixedModel(), routes=[(1, 4)], seed=0).train()
+    x, keep = _leaf_inputs()[0]
+    with capture_block_inputs(model.blocks[1]) as calls:
+        model(x, keep)
+    plan = tread_fx.routed_graphs(model)[0].plans[0]
+    assert "adapter 'attention-mask'" in [c.reason for c in plan.entering]
+    kept = tread_fx.route_info(model)[0].kept
+    mask = keep[:, None, None, :] & torch.ones(N, N, dtype=torch.bool).tril()
+    expected = torch.stack([mask[b][:, kept[b]][:, :, kept[b]] for b in range(B)])
+    assert torch.equal(calls[-1][0][1], expected)
