@@ -42,7 +42,7 @@ else
 fi
 EXTRAS="import tread_fx, timm, diffusers, transformers, accelerate, pytest, xdist, hypothesis, mambapy, einops, sklearn, mlxtend, torchmetrics, safetensors, tqdm, matplotlib, PIL"
 # the community extra: model libraries of the coverage sweep's community population
-EXTRAS="$EXTRAS, vit_pytorch, x_transformers, mmdit, perceiver_pytorch, denoising_diffusion_pytorch, open_clip, monai, fairscale"
+EXTRAS="$EXTRAS, vit_pytorch, x_transformers, mmdit, perceiver_pytorch, denoising_diffusion_pytorch, open_clip, monai"
 if .venv/bin/python -c "$EXTRAS" 2>/dev/null; then
   stage "tread_fx and its test/training/community extras: installed, checking quietly"
   "${PIP[@]}" -q -e ".[test,community]"
