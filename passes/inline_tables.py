@@ -39,7 +39,14 @@ from tread_fx.passes.trace import ARG_MODULE_PREFIX, MODEL_PREFIX, TracedCall, t
 from tread_fx.passes.trace_support import has_call_hooks
 from tread_fx.runtime.guards import check_traced_value
 
-__all__ = ["InlineBlock", "EXAMPLE_KEY", "find_token_tables", "inline_token_tables", "pack"]
+__all__ = [
+    "InlineBlock",
+    "EXAMPLE_KEY",
+    "find_token_tables",
+    "inline_token_tables",
+    "pack",
+    "trace_through",
+]
 
 EXAMPLE_KEY = "tread_example_inputs"
 _CONST_PREFIX = "tread_inline_const_"
@@ -155,10 +162,15 @@ def _meta_at(node: fx.Node, path: tuple) -> TensorMeta:
     return meta
 
 
-def _example_of(gm: fx.GraphModule, cls: type) -> Any | None:
-    for node in gm.graph.nodes:
-        if EXAMPLE_KEY in node.meta and type(gm.get_submodule(node.target)) is cls:
-            return node.meta[EXAMPLE_KEY]
+def _example_of(gm: fx.GraphModule, node: fx.Node) -> tuple[Any, list] | None:
+    """(example inputs, flat tensor inputs of ``node``) of the first kept call of the block's
+    class that ``node``'s call matches, or ``None``."""
+    cls = type(gm.get_submodule(node.target))
+    for other in gm.graph.nodes:
+        if EXAMPLE_KEY in other.meta and type(gm.get_submodule(other.target)) is cls:
+            leaves = _flat_inputs(node, other.meta[EXAMPLE_KEY])
+            if leaves is not None:
+                return other.meta[EXAMPLE_KEY], leaves
     return None
 
 
@@ -234,17 +246,24 @@ def _fetch(root: nn.Module, target: str) -> Any:
     return obj
 
 
-def _trace_block(gm: fx.GraphModule, block: BlockCall, example: Any) -> TracedCall | None:
-    module = gm.get_submodule(block.node.target)
-    if any(has_call_hooks(m) for m in module.modules()):
-        return None  # FSDP units, checkpoint wrappers, user hooks: never called an extra time
+def trace_through(module: nn.Module, example: Any, *, inlined: bool) -> TracedCall | None:
+    """``module`` (a routed block) traced through on its example inputs, or ``None``.
+
+    Hooks of its parts are never called an extra time (FSDP units, checkpoint wrappers, user
+    hooks); a block to be ``inlined`` must have none itself either (inlining would skip them)
+    and read no tensor data (its guards would check another block's data). For its graph
+    only (``inlined=False``: :mod:`tread_fx.passes.uses`), the block's own hooks and data
+    guards are fine.
+    """
+    if any(has_call_hooks(m) for m in module.modules() if inlined or m is not module):
+        return None
     args, kwargs = example
     try:
         traced = trace_call(module, tuple(args), dict(kwargs), leaf_paths=set())
     except Exception:  # noqa: BLE001 - a block that cannot be traced through stays one call
         return None
-    if any(n.target is check_traced_value for n in traced.gm.graph.nodes):
-        return None  # it reads tensor data: its guards would check another block's data
+    if inlined and any(n.target is check_traced_value for n in traced.gm.graph.nodes):
+        return None
     return traced
 
 
@@ -253,8 +272,8 @@ def find_token_tables(
 ) -> list[InlineBlock]:
     """The routed blocks that build token tables, each traced through.
 
-    One block of each class is traced first; the other blocks of a class are traced only
-    if that one holds a token table.
+    One block of each class (and call signature) is traced first; the other blocks of it
+    are traced only if that one holds a token table.
 
     Args:
         gm: The traced graph (block calls still single nodes with their example inputs).
@@ -264,23 +283,20 @@ def find_token_tables(
     Returns:
         One :class:`InlineBlock` per block with a token table.
     """
-    verdict: dict[type, bool] = {}
+    verdict: dict[tuple, bool] = {}
     found = []
     for block in blocks:
-        cls = type(gm.get_submodule(block.node.target))
-        if verdict.get(cls) is False:
+        kept = _example_of(gm, block.node)
+        key = (type(gm.get_submodule(block.node.target)), id(kept[0]) if kept else None)
+        if kept is None or verdict.get(key) is False:
             continue
-        example = _example_of(gm, cls)
-        if example is None or _flat_inputs(block.node, example) is None:
-            verdict[cls] = False
-            continue
-        traced = _trace_block(gm, block, example)
+        traced = trace_through(gm.get_submodule(block.node.target), kept[0], inlined=True)
         if traced is None:
-            verdict[cls] = False
+            verdict[key] = False
             continue
         data = _data_nodes(traced.gm.graph)
         tables = _tables(traced, data, layout)
-        verdict.setdefault(cls, bool(tables))
+        verdict.setdefault(key, bool(tables))
         if tables:
             found.append(InlineBlock(block, traced, data, tables))
     return found

@@ -24,7 +24,6 @@ from typing import Any
 
 import torch.fx as fx
 
-from tread_fx.adapters.rules import PACKED_BOUNDARIES
 from tread_fx.adapters.values import NO_BATCH_DIM, TensorMeta
 from tread_fx.errors import SelectionError, TokenStreamError
 from tread_fx.passes.stacks import ancestors, argument_name, input_slots
@@ -120,16 +119,13 @@ def _slot_name(module: Any, key: tuple) -> str:
 
 
 def segment_boundaries(entering: list) -> tuple[fx.Node, str] | None:
-    """(value, kind) of the segment boundaries the routed blocks receive, if any.
+    """(value, kind) of the segment boundaries the routed blocks receive, if any: the
+    entering values whose rule said they hold them (``Crossing.segments``).
 
     Raises:
         TokenStreamError: The blocks receive several different boundary values.
     """
-    found = {}
-    for crossing in entering:
-        rule = crossing.reason.removeprefix("adapter '").removesuffix("'")
-        if rule in PACKED_BOUNDARIES:
-            found[crossing.node] = PACKED_BOUNDARIES[rule]
+    found = {c.node: c.segments for c in entering if c.segments is not None}
     if len(found) > 1:
         names = ", ".join(f"'{n.name}' ({k})" for n, k in found.items())
         raise TokenStreamError(

@@ -24,7 +24,6 @@ import torch
 import torch.fx as fx
 
 from tread_fx.adapters import SideValue, StreamLayout, adapters
-from tread_fx.adapters.hints import hinted_use
 from tread_fx.adapters.values import NO_BATCH_DIM
 from tread_fx.errors import InvalidRateError, SelectionError, SideInputError, TokenStreamError
 from tread_fx.passes.dataflow import data_ancestors
@@ -43,7 +42,7 @@ from tread_fx.passes.streams import (
 )
 from tread_fx.passes.token_counts import count_arguments
 from tread_fx.passes.trace import TensorMeta
-from tread_fx.passes.uses import hint_warning, how_used, reached_ops, route_uses, value_uses
+from tread_fx.passes.uses import how_used, reached_ops, route_uses, shape_warning, value_uses
 from tread_fx.routes import Route
 from tread_fx.runtime.selection import Strategy, kept_units
 
@@ -69,6 +68,8 @@ class Crossing:
         shares_selection: The adapter needs the route's selection shared across the batch.
         prefix_shift: For the scattered token stream of a route that crosses a concatenation
             of other tokens in front of it: their count (they leave processed, never routed).
+        segments: The value holds a packed stream's segment boundaries (``"offsets"`` or
+            ``"ids"``), as the rule that decided says.
     """
 
     node: fx.Node
@@ -78,6 +79,7 @@ class Crossing:
     counterpart: fx.Node | None = None
     options: dict[str, Any] = field(default_factory=dict)
     shares_selection: bool = False
+    segments: str | None = None
     prefix_shift: int = 0  # scattered stream: tokens concatenated in front inside the route
 
 
@@ -168,8 +170,8 @@ def _region(g: nx.DiGraph, info: StreamInfo, route: Route) -> tuple[set, fx.Node
 
 def _dict_keys_holding(block: Any, user: fx.Node, node: fx.Node) -> set[str]:
     """``argument.key`` for each dict argument through which a block receives ``node``:
-    ``attention_kwargs.attention_mask``, ``rotary_emb.query``. Rules match either part
-    (the key names a mask; the argument names a rotary table)."""
+    ``attention_kwargs.attention_mask``, ``rotary_emb.query`` (hints for messages and user
+    adapters; no built-in rule reads them)."""
     return {
         f"{argument_name(block, slot)}.{k}"
         for slot, a in argument_items(user)
@@ -198,7 +200,6 @@ def _side_value(g, node, users, region, info, layout, block_nodes, uses) -> Side
     )
     meta = node.meta.get("tread_meta")
     use = use.value if use is not None else None
-    hint = hinted_use(frozenset(names)) if use in (None, "unknown") else None
     return SideValue(
         node=node,
         meta=meta,
@@ -209,9 +210,9 @@ def _side_value(g, node, users, region, info, layout, block_nodes, uses) -> Side
         from_stream=node is info.primary or nx.has_path(g, info.primary, node),
         combined_with_stream=combined,
         from_inputs=_from_inputs(node),
-        use=hint or use,
+        use=use,
         reaches=frozenset(reached_ops(node, receiving)),
-        hinted=hint is not None,
+        primary=info.primary,
     )
 
 
@@ -232,12 +233,11 @@ def _classify_entering(side: SideValue, users, carried_slot, family, strict: boo
         if adapter.matches(side):
             options = adapter.options(side) if adapter.options is not None else {}
             reason = f"adapter '{adapter.name}'"
-            if side.hinted and adapter.builtin:
-                reason += f" (by the name {sorted(side.arg_names)})"
-                warnings.warn(hint_warning(side, adapter.name), stacklevel=2)
-            return Crossing(
-                node, adapter.action, reason, users, None, options, adapter.shares_selection
-            )
+            if adapter.builtin and adapter.by_shape_only:
+                reason += " (by its shape: its use is not seen)"
+                warnings.warn(shape_warning(side, adapter.name), stacklevel=2)
+            shares, segments = adapter.shares_selection, adapter.segments
+            return Crossing(node, adapter.action, reason, users, None, options, shares, segments)
     notes = [f"{a.name}: {n}" for a in adapters() if a.diagnose and (n := a.diagnose(side))]
     if side.token_aligned or _looks_token_aligned(side) or notes:
         shape = getattr(side.meta, "shape", side.meta)

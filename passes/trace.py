@@ -256,7 +256,7 @@ class ValueTracer(fx.Tracer):
         self.module_stack: list[str] = []
         self.running_eager = 0
         self.checkpointed: set[int] = set()
-        self.example_classes: set[type] = set()
+        self.example_classes: set[tuple] = set()
 
     # -- values -----------------------------------------------------------------------------
     def proxy(self, node: fx.Node) -> fx.Proxy:
@@ -353,12 +353,14 @@ class ValueTracer(fx.Tracer):
         return proxy
 
     def _keep_example_inputs(self, node: fx.Node, target: str, args, kwargs) -> None:
-        """Keep the real inputs of each leaf class's first call (``passes/inline_tables.py``
-        traces routed blocks through on them; the pipeline drops them after planning)."""
-        cls = type(self.root.get_submodule(target))
-        if cls not in self.example_classes:
-            self.example_classes.add(cls)
-            node.meta["tread_example_inputs"] = self._values((args, kwargs))
+        """Keep the real inputs of each leaf class's first call of each signature
+        (``passes/inline_tables.py`` and ``passes/uses.py`` trace routed blocks through on
+        them; the pipeline drops them after planning)."""
+        values = self._values((args, kwargs))
+        key = (type(self.root.get_submodule(target)), _call_signature(values))
+        if key not in self.example_classes:
+            self.example_classes.add(key)
+            node.meta["tread_example_inputs"] = values
 
     def create_arg(self, a: Any) -> Any:
         """Give ``get_attr`` nodes that fx makes for tensor attributes their value and meta.
@@ -428,6 +430,18 @@ class ValueTracer(fx.Tracer):
         if self.running_eager:
             return attr_val
         return super().getattr(attr, attr_val, parameter_proxy_cache)
+
+
+def _call_signature(values: Any) -> tuple:
+    """What tells two calls of a leaf class apart: structure, tensor shapes and dtypes, plain
+    constants (a hybrid stack's attention layers get a mask its SSM layers do not)."""
+    leaves, spec = pytree.tree_flatten(values)
+    plain = (int, float, bool, str, type(None))
+    return str(spec), tuple(
+        (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor)
+        else v if isinstance(v, plain) else id(v)
+        for v in leaves
+    )  # fmt: skip
 
 
 def _all_tensors(value: Any) -> bool:

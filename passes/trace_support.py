@@ -4,7 +4,7 @@
   without grad (diffusers checkpoints blocks only when ``torch.is_grad_enabled()``).
 - :func:`factories_take_proxies`: ``torch.ones(b, n)`` with traced sizes, and every random
   draw, become graph calls.
-- :func:`name_placeholders`: each tensor input's argument name, for rules keyed on it.
+- :func:`name_placeholders`: each tensor input's argument name (for messages, ``stream=``).
 - :func:`refuse_python_random`: Python-level random draws in traced code refuse to be baked in.
 - :func:`checkpoint_as_plain_call`: blocks called through activation checkpointing are traced
   as plain, marked calls.
@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import os
 import random
@@ -201,7 +202,8 @@ def checkpoint_as_plain_call(tracer: Any, model: nn.Module) -> Iterator[None]:
 
     ``torch.utils.checkpoint.checkpoint(block, *args)`` and diffusers'
     ``self._gradient_checkpointing_func(block, *args)`` become ``block(*args)`` while
-    tracing, so the blocks are seen; their nodes get ``meta["tread_checkpoint"]`` and the
+    tracing, so the blocks are seen (``checkpoint(block.forward, *args)`` too: the block is
+    called as a module); their nodes get ``meta["tread_checkpoint"]`` and the
     rewrite pass calls them through checkpointing again.
     """
     import torch.utils.checkpoint as ckpt
@@ -214,13 +216,15 @@ def checkpoint_as_plain_call(tracer: Any, model: nn.Module) -> Iterator[None]:
                 kwargs.pop(key, None)
             if tracer.running_eager:
                 return original(function, *args, use_reentrant=use_reentrant, **kwargs)
-            tracer.checkpointed.add(id(getattr(function, "__self__", function)))
+            function = _called_block(function)
+            called = function.func if isinstance(function, functools.partial) else function
+            tracer.checkpointed.add(id(getattr(called, "__self__", called)))
             return function(*args, **kwargs)
 
         return plain
 
     owners = [m for m in model.modules() if _CHECKPOINT_FUNC in m.__dict__]
-    namespaces = {id(ns): ns for ns in module_namespaces(model)}.values()
+    namespaces = {id(ns): ns for ns in _forward_namespaces(model)}.values()
     imported = [(ns, k) for ns in namespaces for k, v in list(ns.items()) if v is original]
     with contextlib.ExitStack() as patches:
         patches.enter_context(thread_local_patch(ckpt, "checkpoint", make))
@@ -231,10 +235,34 @@ def checkpoint_as_plain_call(tracer: Any, model: nn.Module) -> Iterator[None]:
         yield
 
 
+def _called_block(function: Any) -> Any:
+    """The module a checkpointed ``block.forward`` (or a partial of it) belongs to, to be
+    called as a module (``block(...)``) so the trace records the block call; a module with
+    call hooks, which ``block.forward`` skips, and any other function stay as they are."""
+    inner = function.func if isinstance(function, functools.partial) else function
+    owner = getattr(inner, "__self__", None)
+    forward = getattr(type(owner), "forward", None)
+    if not isinstance(owner, nn.Module) or getattr(inner, "__func__", None) is not forward:
+        return function
+    if has_call_hooks(owner):
+        return function
+    if inner is function:
+        return owner
+    return functools.partial(owner, *function.args, **function.keywords)
+
+
 def python_modules(model: nn.Module) -> list[types.ModuleType]:
     """The Python modules defining the model's classes."""
     names = {type(m).__module__ for m in model.modules()}
     return [sys.modules[n] for n in sorted(names) if n in sys.modules]
+
+
+def _forward_namespaces(model: nn.Module) -> list[dict]:
+    """Global namespaces of the modules defining the model's classes and every ``forward``
+    they inherit (a subclass defined elsewhere runs its base's code, and its imports)."""
+    classes = {c for m in model.modules() for c in type(m).__mro__ if "forward" in vars(c)}
+    names = {c.__module__ for c in classes} - {nn.Module.__module__}
+    return module_namespaces(model) + [vars(sys.modules[n]) for n in names if n in sys.modules]
 
 
 def module_namespaces(model: nn.Module) -> list[dict]:

@@ -17,7 +17,7 @@ the uses it meets decide what it is (first match in this order):
 - ``context``: a matmul/attention operand against the stream (cross-attention keys and
   values), or concatenated to the stream along the tokens: passed.
 - ``unknown``: it meets the stream only in an op tread_fx cannot see into (a leaf module):
-  decided by shape, or by a name hint that is reported (:mod:`tread_fx.adapters.hints`).
+  the rules decide by its shape against the stream and say so (:func:`shape_warning`).
 - ``none``: none of these (per-sample, global, unused): passed.
 
 An int argument is a count only if it sizes, slices or splits a token dim of a tensor
@@ -26,7 +26,7 @@ computed from the stream (``view``/``reshape``/``unflatten`` of its token dim,
 by coincidence) is never rewritten. A block that cannot be traced through has no uses
 (``None``).
 
-Names play no part here; the plan shows them as hints.
+Names play no part here (nor anywhere a side value is decided); the plan shows them as hints.
 
 Example:
     >>> Use.MASK.value
@@ -43,11 +43,9 @@ import torch.fx as fx
 from torch import nn
 
 from tread_fx.adapters.values import SideValue, TensorMeta
-from tread_fx.passes.inline_tables import _example_of, _flat_inputs, _is_tensorish
+from tread_fx.passes.inline_tables import _example_of, _is_tensorish, trace_through
 from tread_fx.passes.locate import BlockCall, input_slots
 from tread_fx.passes.stacks import argument_items
-from tread_fx.passes.trace import trace_call
-from tread_fx.passes.trace_support import has_call_hooks
 
 __all__ = [
     "Use",
@@ -57,7 +55,7 @@ __all__ = [
     "reached_ops",
     "value_uses",
     "how_used",
-    "hint_warning",
+    "shape_warning",
 ]
 
 
@@ -343,22 +341,10 @@ def _tagged_example(example: Any, node: fx.Node) -> Any:
     return tuple(args), kwargs
 
 
-def _trace(module: nn.Module, example: Any) -> Any:
-    """Trace ``module`` through for its graph only (never run as a graph: data guards are
-    fine); hooks of the block itself are not called by the trace, those of its parts are."""
-    if any(has_call_hooks(m) for m in module.modules() if m is not module):
-        return None
-    args, kwargs = example
-    try:
-        return trace_call(module, tuple(args), dict(kwargs), leaf_paths=set())
-    except Exception:  # noqa: BLE001 - a block that cannot be traced through has no uses
-        return None
-
-
 def _class_uses(gm, block: BlockCall, example: Any, leaves, tokens, token_dim):
     """(use per flat tensor position, count slots) of one block class, or ``None``."""
     module = gm.get_submodule(block.node.target)
-    traced = _trace(module, _tagged_example(example, block.node))
+    traced = trace_through(module, _tagged_example(example, block.node), inlined=False)
     if traced is None:
         return None
     placeholders = [n for n in traced.gm.graph.nodes if n.op == "placeholder"]
@@ -392,7 +378,7 @@ def block_uses(
 
     Returns:
         Per block call node, its :class:`BlockUses`, or ``None`` when the block cannot be
-        traced through on a call matching this one (another shape than its class's first).
+        traced through (on the first call of its class with this call's signature).
 
     Example:
         >>> # see tests/test_side_uses.py
@@ -400,13 +386,12 @@ def block_uses(
     by_class = gm.graph.__dict__.setdefault("_tread_uses", {})
     found: dict[fx.Node, BlockUses | None] = {}
     for block in blocks:
-        cls = type(gm.get_submodule(block.node.target))
-        example = _example_of(gm, cls)
-        leaves = _flat_inputs(block.node, example) if example is not None else None
-        if leaves is None:
+        kept = _example_of(gm, block.node)
+        if kept is None:
             found[block.node] = None
             continue
-        key = (cls, frozenset(tokens), token_dim)
+        example, leaves = kept
+        key = (type(gm.get_submodule(block.node.target)), id(example), frozenset(tokens), token_dim)
         if key not in by_class:
             by_class[key] = _class_uses(gm, block, example, leaves, tokens, token_dim)
         known = by_class[key]
@@ -470,18 +455,19 @@ def route_uses(gm: fx.GraphModule, blocks: list[BlockCall], layout: Any, token_d
     return block_uses(gm, blocks, tokens, token_dim)
 
 
-def hint_warning(side: SideValue, rule: str) -> str:
-    """The warning for a value a name hint decided (see :mod:`tread_fx.adapters.hints`).
+def shape_warning(side: SideValue, rule: str) -> str:
+    """The warning for a value whose use the blocks do not show, decided by its shape.
 
     Example:
-        >>> # see tests/test_third_party_transformers.py (a mask inside a leaf mixer)
+        >>> # see tests/test_side_uses.py (a key mask handed to a leaf module)
     """
-    how = how_used(side).strip()
+    shape = getattr(side.meta, "shape", side.meta)
     return (
-        f"value '{side.node.name}' {sorted(side.arg_names)} was taken for {side.use} by its "
-        f"argument name (rule '{rule}'): {how} Renaming the "
-        "argument would change this; register a tread_fx.adapters.Adapter for the value to "
-        "decide it explicitly."
+        f"value '{side.node.name}' with shape {shape} (received as {sorted(side.arg_names)}) "
+        f"was taken for per-token values by its shape (rule '{rule}'): its token rows are "
+        f"cut to the kept tokens.{how_used(side)} If it is not per token (another sequence "
+        "of the same length, a per-sample value), register a tread_fx.adapters.Adapter for "
+        "it (action 'pass')."
     )
 
 
@@ -491,7 +477,7 @@ def how_used(side: SideValue) -> str:
     Example:
         >>> # see tests/test_adapters.py (a table handed to a leaf module)
     """
-    if side.use is None or side.hinted:
+    if side.use in (None, Use.UNKNOWN.value):
         if not side.reaches:
             return " No block receiving it could be traced through to see how it is used."
         ops = ", ".join(sorted(side.reaches))

@@ -351,3 +351,27 @@ def test_a_prompt_segment_behind_is_kept_last():
     counts = torch.bincount(_segment_of(noisy), minlength=len(LENGTHS))
     for count, length in zip(counts.tolist(), LENGTHS):
         assert abs(count - length * noisy.shape[0] / T) <= 1, (counts, LENGTHS)
+
+
+def test_a_user_adapter_that_holds_the_boundaries_makes_the_selection_per_segment():
+    """The packed pass reads what the deciding rule says (``Adapter.segments``), never a rule
+    name: a user rule for the offsets, under any name, selects per segment like the built-in."""
+    from tread_fx.adapters import Adapter, register_adapter, unregister_adapter
+    from tread_fx.runtime.packed import kept_offsets
+
+    def offsets(side) -> bool:
+        meta = side.meta
+        return getattr(meta, "dtype", None) == torch.int32 and meta.shape == (len(LENGTHS) + 1,)
+
+    def kept_with(segments):
+        mine = register_adapter(Adapter("zq", offsets, kept_offsets, segments=segments))
+        try:
+            return _routed_call(CASES[0])
+        finally:
+            unregister_adapter(mine)
+
+    (kept, args), (plain, _) = kept_with("offsets"), kept_with(None)
+    assert torch.equal(kept, _routed_call(CASES[0])[0])  # as the built-in rule selects
+    assert not torch.equal(plain, kept)  # without it: one random selection over all tokens
+    counts = torch.bincount(_segment_of(kept), minlength=len(LENGTHS))
+    assert torch.equal(args[1], torch.tensor([0, *counts.cumsum(0).tolist()], dtype=torch.int32))

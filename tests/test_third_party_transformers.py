@@ -91,13 +91,14 @@ def test_key_padding_mask_is_gathered_per_sample():
     mask = torch.ones(2, 16, dtype=torch.long)
     mask[1, 12:] = 0
     model = case.route(case.model())
-    with capture_block_inputs(model.layers[1]) as calls:
+    # the mask meets the stream only inside the mixer, which tread_fx cannot see into: its
+    # shape against the stream ([B, N]) decides, and a warning says so
+    warned = pytest.warns(UserWarning, match="per-token-by-shape")
+    with warned, capture_block_inputs(model.layers[1]) as calls:
         model.train()(inputs_embeds=_embeds(), attention_mask=mask)
     (info,) = tread_fx.route_info(model)
     plan = tread_fx.routed_graphs(model)[0].plans[0]
-    # the mask meets the stream only inside the mixer, which tread_fx cannot see into: its
-    # name decides, and the reason says so
-    assert any(c.reason.startswith("adapter 'attention-mask'") for c in plan.entering)
+    assert any(c.reason.startswith("adapter 'per-token-by-shape'") for c in plan.entering)
     assert not plan.shared_selection
     seen = calls[-1][1]["attention_mask"]
     assert torch.equal(seen, mask.gather(1, info.kept))

@@ -9,7 +9,7 @@
 Example:
     >>> from tread_fx.adapters import adapters
     >>> adapters()[-1].name
-    'residual'
+    'per-token-by-shape'
 """
 
 from tread_fx.adapters.registry import Adapter, adapters, register_adapter, unregister_adapter

@@ -56,6 +56,11 @@ class Adapter:
             across the batch.
         diagnose: ``diagnose(side) -> str | None``: for a value the rule is meant for but
             cannot handle, why (added to strict mode's refusal).
+        by_shape_only: A built-in rule for values whose use the blocks do not show: what it
+            decides is reported with a warning naming the value and how to override it.
+        segments: The values it matches hold a packed stream's segment boundaries, as
+            ``"offsets"`` (``cu_seqlens``) or ``"ids"`` (one segment id per token): the
+            route then selects per segment.
     """
 
     name: str
@@ -66,6 +71,8 @@ class Adapter:
     options: Callable[[SideValue], dict[str, Any]] | None = field(default=None, compare=False)
     shares_selection: bool = False
     diagnose: Callable[[SideValue], str | None] | None = field(default=None, compare=False)
+    by_shape_only: bool = field(default=False, compare=False)
+    segments: str | None = None
 
 
 _ADAPTERS: list[Adapter] = []

@@ -6,8 +6,9 @@ assumes. The registry consults user adapters first, then these:
 ``rope-per-sample``,
 ``rope-batch-shared``, ``rope-other-stream``, ``attention-mask``,
 ``attention-mask-shared``, ``ids``, ``ids-shared``, ``token-index-shared``,
-``tokens-folded-into-batch``, ``stream-derived``, ``residual``; before them, for packed
-``[tokens, dim]`` streams only, ``packed-offsets`` and ``packed-segment-ids``.
+``tokens-folded-into-batch``, ``stream-derived``, ``residual``, ``per-token-by-shape``;
+before them, for packed ``[tokens, dim]`` streams only, ``packed-offsets`` and
+``packed-segment-ids``.
 
 No rule reads an argument name or a library: they decide by the value's use in the blocks
 (``SideValue.use``, from :mod:`tread_fx.passes.uses`) and its shape. Names are hints
@@ -36,7 +37,7 @@ from tread_fx.adapters.token_tables import (
 from tread_fx.adapters.values import NO_BATCH_DIM, TensorMeta
 from tread_fx.runtime.packed import kept_offsets
 
-__all__ = ["BUILTIN_ADAPTERS", "PACKED_BOUNDARIES"]
+__all__ = ["BUILTIN_ADAPTERS"]
 
 
 def _table_batch(side: SideValue) -> tuple[bool, int | None]:
@@ -126,8 +127,31 @@ def _position_rows(side: SideValue, per_sample: bool) -> RowMap | None:
     return find_rows(side, batch=batch, features_last=False, all_dims=False)
 
 
+def _unseen(side: SideValue) -> bool:
+    """The blocks' use of it is not seen: it meets the stream only inside a leaf module, or
+    no block receiving it could be traced through (``passes/uses.py``)."""
+    return side.use in (None, "unknown")
+
+
+def _laid_out_like_stream(side: SideValue) -> RowMap | None:
+    """Use unseen, and one value per token and sample: two dims, the batch at the stream's
+    batch dim and the token rows at its token dim (``[B, N]``). A value with features
+    (``[B, N, d]``) may be another sequence of the same length: not matched."""
+    is_table, batch = _table_batch(side)
+    if not (_unseen(side) and is_table) or batch is None or batch != side.stream.batch_dim:
+        return None
+    if len(tensor_metas(side.meta)[0].shape) != 2:
+        return None
+    rows = find_rows(side, batch=batch, features_last=False, all_dims=False)
+    if rows is None or rows.dims != (side.stream.token_dim,) or rows.lead or rows.trail:
+        return None
+    return rows
+
+
 def _token_index_rows(side: SideValue) -> RowMap | None:
-    """A 1-D integer tensor with one entry per token (N, or N - prefix, entries)."""
+    """Use unseen, and a 1-D integer tensor with one entry per token (N, or N - prefix)."""
+    if not _unseen(side):
+        return None
     metas = tensor_metas(side.meta)
     if metas is None or len(metas) != 1 or len(metas[0].shape) != 1:
         return None
@@ -135,10 +159,6 @@ def _token_index_rows(side: SideValue) -> RowMap | None:
     if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
         return None
     return find_rows(side, batch=None, features_last=False, all_dims=False)
-
-
-# rule name -> how select_segments reads the boundaries of a packed stream's segments
-PACKED_BOUNDARIES = {"packed-offsets": "offsets", "packed-segment-ids": "ids"}
 
 
 def _is_integer_vector(side: SideValue) -> bool:
@@ -217,6 +237,7 @@ BUILTIN_ADAPTERS: tuple[Adapter, ...] = (
             "upper bound for the kept segments."
         ),
         builtin=True,
+        segments="offsets",
     ),
     Adapter(
         name="packed-segment-ids",
@@ -231,6 +252,7 @@ BUILTIN_ADAPTERS: tuple[Adapter, ...] = (
             "blocks build from them stay per segment."
         ),
         builtin=True,
+        segments="ids",
     ),
     Adapter(
         name="broadcast-over-tokens",
@@ -372,7 +394,7 @@ BUILTIN_ADAPTERS: tuple[Adapter, ...] = (
     ),
     Adapter(
         name="token-index-shared",
-        matches=lambda side: side.use in (None, "unknown") and _token_index_rows(side) is not None,
+        matches=lambda side: _token_index_rows(side) is not None,
         action=take_rows,
         options=lambda side: _token_index_rows(side).options(None),
         shares_selection=True,
@@ -381,9 +403,11 @@ BUILTIN_ADAPTERS: tuple[Adapter, ...] = (
             "a 1-D integer tensor of N (or N - prefix) entries holds one index per token (a "
             "per-token modulation index, a segment or modality id, a position): the kept "
             "tokens keep their entries, indexed with a selection shared across the batch. "
-            "Floating-point [N] vectors are not assumed to be per token."
+            "Floating-point [N] vectors are not assumed to be per token. Reported with a "
+            "warning naming the value (an Adapter with action 'pass' overrides it)."
         ),
         builtin=True,
+        by_shape_only=True,
     ),
     Adapter(
         name="tokens-folded-into-batch",
@@ -429,5 +453,23 @@ BUILTIN_ADAPTERS: tuple[Adapter, ...] = (
             "ControlNet residuals added between blocks) is gathered with the same ids."
         ),
         builtin=True,
+    ),
+    Adapter(
+        name="per-token-by-shape",
+        matches=lambda side: _laid_out_like_stream(side) is not None,
+        action=take_rows,
+        options=lambda side: _laid_out_like_stream(side).options(side.stream.batch_dim),
+        doc=(
+            "Only where the blocks' use of it is not seen (it meets the stream only inside a "
+            "leaf module, or no block receiving it could be traced through): one value per "
+            "token and sample, [B, N] with the batch and the N (or N - prefix) token rows at "
+            "the stream's batch and token dims (a key mask, per-token ids), is taken for "
+            "per-token values and gathered per sample. Reported with a warning naming the "
+            "value; an Adapter with action 'pass' overrides it (a mask of another sequence "
+            "of the same length). Values with features ([B, N, d]: maybe another sequence), "
+            "several token-sized dims ([B, N, N]) or no batch dim are refused in strict mode."
+        ),
+        builtin=True,
+        by_shape_only=True,
     ),
 )

@@ -54,7 +54,6 @@ __all__ = [
 
 _CAT = (torch.cat, torch.concat, torch.concatenate)
 _SEARCH_LIMIT = 400
-_IMAGE_WORDS = ("img", "image", "latent", "video", "vid", "patch", "pixel", "visual")
 
 
 @dataclass(frozen=True)
@@ -140,10 +139,10 @@ def find_rows(
         return RowMap(tuple(direct), skip=sizes[shape[direct[0]]])
     if direct:
         return None
-    return _rows_with_extra(side.node, shape, dims, side.stream.num_tokens)
+    return _rows_with_extra(side, shape, dims)
 
 
-def _rows_with_extra(node: fx.Node, shape: tuple, dims: list[int], n: int) -> RowMap | None:
+def _rows_with_extra(side: SideValue, shape: tuple, dims: list[int]) -> RowMap | None:
     """Find token rows among extra rows by the concatenation or the sum that built them.
 
     A table of ``T + N`` rows (Flux: text ids then image ids) is tied to the stream only if
@@ -151,22 +150,25 @@ def _rows_with_extra(node: fx.Node, shape: tuple, dims: list[int], n: int) -> Ro
     one has ``N`` rows; the rows before that part are ``lead``, the rows after it ``trail``.
     Failing that, a table allocated for ``N + T`` rows (``torch.ones(B, image_len +
     text_len)``, a joint key mask) is tied to the stream by the traced sum of the two
-    lengths: its operand order is the row order.
+    lengths: its operand order is the row order. Several parts of ``N`` rows (``T == N``)
+    are told apart by :func:`_tie`.
     """
+    n = side.stream.num_tokens
     for dim in dims:
         rows = shape[dim]
         if rows <= n:
             continue
-        parts = _cat_parts(node, rows, n) or _sum_parts(node, rows, n)
+        parts = _cat_parts(side, rows, n) or _sum_parts(side, rows, n)
         if parts is not None:
             lead, trail = parts
             return RowMap((dim,), lead=lead, trail=trail)
     return None
 
 
-def _cat_parts(node: fx.Node, rows: int, n: int) -> tuple[int, int] | None:
-    """Search ``node``'s ancestors for a cat of ``rows`` rows with one part of ``n`` rows."""
-    return _first_split(node, lambda c: c.target in _CAT and _split_of(c, rows, n))
+def _cat_parts(side: SideValue, rows: int, n: int) -> tuple[int, int] | None:
+    """Search the value's ancestors for a cat of ``rows`` rows with one part of ``n`` rows."""
+    split = lambda c: c.target in _CAT and _split_of(c, rows, n, side.primary)  # noqa: E731
+    return _first_split(side.node, split)
 
 
 def _first_split(node: fx.Node, split) -> tuple[int, int] | None:
@@ -184,7 +186,7 @@ def _first_split(node: fx.Node, split) -> tuple[int, int] | None:
     return None
 
 
-def _split_of(cat: fx.Node, rows: int, n: int) -> tuple[int, int] | None:
+def _split_of(cat: fx.Node, rows: int, n: int, primary: Any) -> tuple[int, int] | None:
     parts = cat.args[0] if cat.args else cat.kwargs.get("tensors", ())
     dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
     out = cat.meta.get("tread_meta")
@@ -197,59 +199,60 @@ def _split_of(cat: fx.Node, rows: int, n: int) -> tuple[int, int] | None:
     if None in sizes or n not in sizes:
         return None
     candidates = [i for i, size in enumerate(sizes) if size == n]
-    if len(candidates) > 1:  # T == N: the part built from the image/latent ids input
-        candidates = _tie_by_name(parts, candidates, n)
+    if len(candidates) > 1:  # T == N
+        candidates = _tie(parts, candidates, n, primary)
     if len(candidates) != 1:
         return None
     at = candidates[0]
     return sum(sizes[:at]), sum(sizes[at + 1 :])
 
 
-def _sum_parts(node: fx.Node, rows: int, n: int) -> tuple[int, int] | None:
-    """Search ``node``'s ancestors for a traced ``a + b == rows`` of lengths, one of ``n``."""
-    return _first_split(node, lambda c: c.target is operator.add and _split_of_sum(c, rows, n))
+def _sum_parts(side: SideValue, rows: int, n: int) -> tuple[int, int] | None:
+    """Search the value's ancestors for a traced ``a + b == rows`` of lengths, one of ``n``."""
+    split = lambda c: c.target is operator.add and _split_of_sum(c, rows, n, side.primary)  # noqa: E731
+    return _first_split(side.node, split)
 
 
-def _split_of_sum(add: fx.Node, rows: int, n: int) -> tuple[int, int] | None:
+def _split_of_sum(add: fx.Node, rows: int, n: int, primary: Any) -> tuple[int, int] | None:
     values = [a.meta.get("tread_meta") if isinstance(a, fx.Node) else a for a in add.args[:2]]
     if len(values) != 2 or not all(type(v) is int for v in values) or sum(values) != rows:
         return None
     first, second = values
     candidates = [i for i, v in enumerate(values) if v == n]
-    if len(candidates) > 1:  # N == T: the operand computed from the image/latent input
-        candidates = _tie_by_name(add.args, candidates, n)
+    if len(candidates) > 1:  # N == T
+        candidates = _tie(add.args, candidates, n, primary)
     if len(candidates) != 1:
         return None
     return (0, second) if candidates[0] == 0 else (first, 0)
 
 
-def _tie_by_name(parts: Any, candidates: list[int], n: int) -> list[int]:
-    """Of several parts of ``n`` rows, the one computed from an input named like image ids;
-    a tie broken by a name is reported (renaming that input would change it)."""
-    named = [i for i in candidates if _from_image_input(parts[i])]
-    if len(named) == 1:
-        warnings.warn(
-            f"a table joins {len(candidates)} parts of {n} rows (as many as the routed "
-            f"tokens); the part computed from an input named like image ids (part {named[0]}) "
-            "is taken for the token rows. Renaming that input would change this; register a "
-            "tread_fx.adapters.Adapter for the table to decide it explicitly.",
-            stacklevel=2,
-        )
-    return named
+def _tie(parts: Any, candidates: list[int], n: int, primary: Any) -> list[int]:
+    """Of several parts of ``n`` rows, the one computed from the model's main input (the
+    stream's; a length read from it). Failing that, the last one (joint models put other
+    tokens first), reported with a warning naming the choice and the override."""
+    mine = [i for i in candidates if isinstance(parts[i], fx.Node) and _from(parts[i], primary)]
+    if len(mine) == 1:
+        return mine
+    warnings.warn(
+        f"a table joins {len(candidates)} parts of {n} rows (as many as the routed tokens), "
+        f"none of them computed from the main input alone; the last of them (part "
+        f"{candidates[-1]}) is taken for the token rows. If the token rows are another "
+        "part, register a tread_fx.adapters.Adapter for the table.",
+        stacklevel=2,
+    )
+    return candidates[-1:]
 
 
-def _from_image_input(part: fx.Node) -> bool:
-    """Whether ``part`` is computed from a model input named like image ids (``img_ids``)."""
+def _from(part: fx.Node, primary: Any) -> bool:
+    """Whether ``part`` is computed from ``primary`` (within the search limit)."""
     seen, todo = set(), [part]
     while todo and len(seen) < _SEARCH_LIMIT:
         node = todo.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        name = node.meta.get("tread_input_name", "") if node.op == "placeholder" else ""
-        if any(word in name.lower() for word in _IMAGE_WORDS):
+        if node is primary:
             return True
-        todo.extend(node.all_input_nodes)
+        if node not in seen:
+            seen.add(node)
+            todo.extend(node.all_input_nodes)
     return False
 
 
@@ -263,8 +266,8 @@ def explain_rows(side: SideValue, features_last: bool) -> str:
     what = "no non-feature dim" if features_last else "no dim"
     return (
         f"{what} of shape {metas[0].shape} has {sizes} rows, or more rows built by a "
-        f"concatenation with exactly one part of {n} rows (ties broken by an input named "
-        "like img_ids), so its token rows cannot be told apart from other rows"
+        f"concatenation with exactly one part of {n} rows (or one computed from the main "
+        "input), so its token rows cannot be told apart from other rows"
     )
 
 

@@ -85,12 +85,13 @@ class SideValue:
         from_inputs: Its values come from a model input (not only from constants,
             parameters, buffers or tensor shapes): it can vary with the batch.
         use: How the routed blocks use it (:class:`tread_fx.passes.uses.Use` value:
-            ``"mask"``, ``"table"``, ``"ids"``, ``"context"``, ``"none"``), or ``None``
+            ``"mask"``, ``"table"``, ``"ids"``, ``"context"``, ``"none"``, ``"unknown"``: it
+            meets the stream only inside a leaf module), or ``None``
             when no block receiving it could be traced through. Built-in rules decide by
             this and the shapes; ``arg_names`` are hints for ``explain`` and user adapters.
         reaches: Names of the block ops that read it first (for refusal messages).
-        hinted: ``use`` comes from an argument name (:mod:`tread_fx.adapters.hints`)
-            because the blocks' use could not tell; reported with a warning.
+        primary: The model input the routed stream comes from (ties between table parts
+            of N rows go to the part computed from it).
     """
 
     node: fx.Node
@@ -104,7 +105,7 @@ class SideValue:
     from_inputs: bool = False
     use: str | None = None
     reaches: frozenset[str] = frozenset()
-    hinted: bool = False
+    primary: fx.Node | None = None
 
     def dims_of_size(self, size: int) -> list[int]:
         """Dims (other than batch) of the value whose size is ``size``."""
