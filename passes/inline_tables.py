@@ -249,22 +249,58 @@ def _fetch(root: nn.Module, target: str) -> Any:
 def trace_through(module: nn.Module, example: Any, *, inlined: bool) -> TracedCall | None:
     """``module`` (a routed block) traced through on its example inputs, or ``None``.
 
-    Hooks of its parts are never called an extra time (FSDP units, checkpoint wrappers, user
-    hooks); a block to be ``inlined`` must have none itself either (inlining would skip them)
-    and read no tensor data (its guards would check another block's data). For its graph
-    only (``inlined=False``: :mod:`tread_fx.passes.uses`), the block's own hooks and data
-    guards are fine.
+    A block to be ``inlined`` has no hooks, nor any of its parts (inlining would skip them),
+    and reads no tensor data (its guards would check another block's data). For its graph
+    only (``inlined=False``: :mod:`tread_fx.passes.uses`), hooks and data guards are fine:
+    parts with hooks are traced through from inside a real call of each (their hooks run on
+    the values: FSDP2 units gather their parameters, checkpoint wrappers are seen through),
+    and a block whose forward cannot run outside its own call is traced from inside one.
+    Those hooks then run once more, without gradients, while the model is traced.
     """
-    if any(has_call_hooks(m) for m in module.modules() if inlined or m is not module):
+    if inlined and any(has_call_hooks(m) for m in module.modules()):
         return None
+    traced = _trace_forward(module, example, through_hooks=not inlined)
+    if traced is None and not inlined and has_call_hooks(module):
+        traced = _trace_inside_call(module, example)
+    if inlined and traced is not None:
+        if any(n.target is check_traced_value for n in traced.gm.graph.nodes):
+            return None
+    return traced
+
+
+def _trace_forward(module: nn.Module, example: Any, through_hooks: bool) -> TracedCall | None:
+    """``module``'s forward traced on ``example`` (its own hooks not run), or ``None``."""
     args, kwargs = example
     try:
-        traced = trace_call(module, tuple(args), dict(kwargs), leaf_paths=set())
+        return trace_call(module, tuple(args), dict(kwargs), set(), through_hooks)
     except Exception:  # noqa: BLE001 - a block that cannot be traced through stays one call
         return None
-    if inlined and any(n.target is check_traced_value for n in traced.gm.graph.nodes):
+
+
+def _trace_inside_call(module: nn.Module, example: Any) -> TracedCall | None:
+    """``module``'s forward traced from inside one real call of it, after its pre-hooks ran.
+
+    A block's own hooks may set the state its forward needs (FSDP2's ``fully_shard`` gathers
+    the parameters in a pre-hook, and its forward cannot run without that). A last pre-hook
+    traces the forward on the arguments the hooks hand on; the call then runs to its end, so
+    the block's hooks leave it as they found it. Its hooks run one extra time, without
+    gradients, while the model is traced.
+    """
+    found: list[TracedCall | None] = []
+
+    def trace_here(hooked: nn.Module, args: tuple, kwargs: dict) -> None:
+        found.append(_trace_forward(hooked, (args, kwargs), through_hooks=True))
+
+    args, kwargs = example
+    handle = module.register_forward_pre_hook(trace_here, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            module(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - a block whose own call fails here stays one call
         return None
-    return traced
+    finally:
+        handle.remove()
+    return found[0] if found else None
 
 
 def find_token_tables(

@@ -244,7 +244,9 @@ def _flat_forward(num_tensors: int):
 class ValueTracer(fx.Tracer):
     """An fx tracer whose proxies carry the eager values (see module docstring)."""
 
-    def __init__(self, leaf_paths: set[str], example: dict[str, Any], functions=()) -> None:
+    def __init__(
+        self, leaf_paths: set[str], example: dict[str, Any], functions=(), through_hooks=False
+    ) -> None:
         leaves = (*leaf_functions(), *functions)
         super().__init__(autowrap_functions=leaves, param_shapes_constant=False)
         self.leaf_paths = leaf_paths
@@ -257,6 +259,7 @@ class ValueTracer(fx.Tracer):
         self.running_eager = 0
         self.checkpointed: set[int] = set()
         self.example_classes: set[tuple] = set()
+        self.through_hooks = through_hooks
 
     # -- values -----------------------------------------------------------------------------
     def proxy(self, node: fx.Node) -> fx.Proxy:
@@ -403,7 +406,7 @@ class ValueTracer(fx.Tracer):
         if module_qualified_name in self.leaf_paths or isinstance(m, leaf_modules()):
             return True
         if has_call_hooks(m):  # FSDP2 units, checkpoint hooks: called, so the hooks still run
-            return True
+            return not self.through_hooks
         if module_qualified_name in self.holders:  # torch.nn's own too: its blocks are seen
             return False
         return super().is_leaf_module(m, module_qualified_name)
@@ -416,6 +419,8 @@ class ValueTracer(fx.Tracer):
             return self.create_proxy("call_module", path, args, kwargs)
         self.module_stack.append(path)
         try:
+            if self.through_hooks and has_call_hooks(m):
+                return self._trace_inside_hooks(m, args, kwargs)
             return forward(*args, **kwargs)
         except (DataDependentError, _EagerFailure):
             raise
@@ -425,6 +430,28 @@ class ValueTracer(fx.Tracer):
             raise
         finally:
             self.module_stack.pop()
+
+    def _trace_inside_hooks(self, m: nn.Module, args: tuple, kwargs: dict) -> Any:
+        """Trace ``m.forward`` from inside a real call of ``m``: its hooks run on the values
+        (FSDP2 gathers the parameters the forward reads), the forward is traced on the
+        proxies. For a graph that is only read (:mod:`tread_fx.passes.uses`), never run."""
+        traced: list[Any] = []
+        own = m.__dict__.get("forward")
+        original = m.forward
+
+        def forward_traced(*_values: Any, **_kw: Any) -> Any:
+            traced.append(original(*args, **kwargs))
+            return self._values(traced[-1])
+
+        m.forward = forward_traced
+        try:
+            _orig_module_call(m, *self._values(args), **self._values(kwargs))
+        finally:
+            if own is None:
+                del m.forward
+            else:
+                m.forward = own
+        return traced[-1]
 
     def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict) -> Any:
         if self.running_eager:
@@ -460,7 +487,9 @@ def _fetch_attr(root: nn.Module, target: str) -> Any:
     return obj
 
 
-def trace_call(model: nn.Module, args: tuple, kwargs: dict, leaf_paths: set[str]) -> TracedCall:
+def trace_call(
+    model: nn.Module, args: tuple, kwargs: dict, leaf_paths: set[str], through_hooks: bool = False
+) -> TracedCall:
     """Trace ``model(*args, **kwargs)`` into a GraphModule with tensor-only inputs.
 
     Submodules whose code cannot be traced become leaves automatically (at most 64).
@@ -472,6 +501,8 @@ def trace_call(model: nn.Module, args: tuple, kwargs: dict, leaf_paths: set[str]
         args: Positional arguments of the call.
         kwargs: Keyword arguments of the call.
         leaf_paths: Module paths (relative to ``model``) to keep as single calls.
+        through_hooks: Trace submodules with call hooks through, their hooks run on the
+            values (for a graph that is read, never run); by default they are single calls.
 
     Returns:
         The :class:`TracedCall`.
@@ -493,7 +524,7 @@ def trace_call(model: nn.Module, args: tuple, kwargs: dict, leaf_paths: set[str]
         wrapper = wrapper_cls(model, in_spec, flat)
         example = {f"t{i}": t.detach().clone() for i, t in enumerate(tensors)}
         paths = {MODEL_PREFIX + p for p in leaf_paths | set(auto_leaves)}
-        tracer = ValueTracer(paths, example, auto_functions)
+        tracer = ValueTracer(paths, example, auto_functions, through_hooks)
         # registered leaf functions called from the model's own forward (called directly,
         # not through Module.__call__, so fx would not look in its globals by itself)
         tracer._autowrap_search.extend(python_modules(model))
