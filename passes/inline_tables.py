@@ -262,10 +262,10 @@ def trace_through(module: nn.Module, example: Any, *, inlined: bool) -> TracedCa
     traced = _trace_forward(module, example, through_hooks=not inlined)
     if traced is None and not inlined and has_call_hooks(module):
         traced = _trace_inside_call(module, example)
-    if inlined and traced is not None:
-        if any(n.target is check_traced_value for n in traced.gm.graph.nodes):
-            return None
-    return traced
+    guarded = traced is not None and any(
+        n.target is check_traced_value for n in traced.gm.graph.nodes
+    )
+    return None if inlined and guarded else traced
 
 
 def _trace_forward(module: nn.Module, example: Any, through_hooks: bool) -> TracedCall | None:
