@@ -5,9 +5,10 @@
   block, traced through like a plain call. A rotary table, a key mask and position ids under
   meaningless argument names route exactly as under conventional ones.
 - A key mask that meets the stream only inside a leaf module (one tread_fx cannot trace
-  into), or a per-token weight handed to a block that cannot be traced through (hooks on its
-  parts): one value per token and sample (``[B, N]``), decided by its shape against the
-  stream (``per-token-by-shape``), with a warning naming the value and the override,
+  into), or a per-token weight handed to a block that cannot be traced through (its forward
+  draws a Python random number): one value per token and sample (``[B, N]``), decided by
+  its shape against the stream (``per-token-by-shape``), with a warning naming the value
+  and the override,
   whatever its name. A mask with two token-sized dims into a leaf cannot be told from its
   shape: refused, whatever its name.
 """
@@ -33,6 +34,7 @@ from test_side_uses import (
     _inputs,
     _names,
     _parameters,
+    layer_dropped,
     renamed,
 )
 from third_party_checks import Case, capture_block_inputs
@@ -161,24 +163,20 @@ def test_a_square_mask_inside_a_leaf_module_is_refused_whatever_its_name(name):
         model(*_leaf_inputs(square=True)[0])
 
 
-class _Hooked(nn.Linear):
-    """A part with a forward hook: its block is never traced through (the hook must not run
-    an extra time)."""
-
-
-class HookedBlock(nn.Module):
+class LayerDropBlock(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.mix = _Hooked(D, D)
-        self.mix.register_forward_pre_hook(lambda module, args: None)
+        self.mix = nn.Linear(D, D)
 
     def forward(self, x, zq):
+        if layer_dropped(self):
+            return x
         return x + self.mix(x) * zq[..., None]
 
 
 def test_a_per_token_weight_an_untraceable_block_receives_is_decided_by_its_shape():
     model = LeafModel()
-    model.blocks = nn.ModuleList(HookedBlock() for _ in range(4))
+    model.blocks = nn.ModuleList(LayerDropBlock() for _ in range(4))
     routed = tread_fx.route(model, routes=[(1, 3)], seed=0).train()
     x, weight = torch.randn(B, N, D), torch.rand(B, N)
     warned = pytest.warns(UserWarning, match=r"(?s)'per-token-by-shape'.*traced through.*'pass'")
