@@ -64,7 +64,6 @@ __all__ = [
 _PYTHON_RANDOM = ("random", "uniform", "randint", "randrange", "choice", "sample", "shuffle")
 # tensor methods taking sizes as varargs, called on a real (constant) tensor with traced sizes
 _SIZE_METHODS = ("expand", "view", "reshape", "repeat", "tile", "new_zeros", "new_ones", "new_full")
-_CHECKPOINT_FUNC = "_gradient_checkpointing_func"  # diffusers' per-module checkpoint function
 _FACTORIES = (
     "ones", "zeros", "empty", "full", "rand", "randn", "randint", "arange", "tensor", "as_tensor"
 )  # fmt: skip
@@ -200,11 +199,11 @@ def refuse_python_random(tracer: Any) -> Iterator[None]:
 def checkpoint_as_plain_call(tracer: Any, model: nn.Module) -> Iterator[None]:
     """Trace blocks called through activation checkpointing as plain, marked calls.
 
-    ``torch.utils.checkpoint.checkpoint(block, *args)`` and diffusers'
-    ``self._gradient_checkpointing_func(block, *args)`` become ``block(*args)`` while
-    tracing, so the blocks are seen (``checkpoint(block.forward, *args)`` too: the block is
-    called as a module); their nodes get ``meta["tread_checkpoint"]`` and the
-    rewrite pass calls them through checkpointing again.
+    ``torch.utils.checkpoint.checkpoint(block, *args)`` (looked up in torch, imported into a
+    model's module, or held by a module, as a ``functools.partial`` too) becomes
+    ``block(*args)`` while tracing, so the blocks are seen (``checkpoint(block.forward,
+    *args)`` too: the block is called as a module); their nodes get
+    ``meta["tread_checkpoint"]`` and the rewrite pass calls them through checkpointing again.
     """
     import torch.utils.checkpoint as ckpt
 
@@ -223,14 +222,17 @@ def checkpoint_as_plain_call(tracer: Any, model: nn.Module) -> Iterator[None]:
 
         return plain
 
-    owners = [m for m in model.modules() if _CHECKPOINT_FUNC in m.__dict__]
     namespaces = {id(ns): ns for ns in _forward_namespaces(model)}.values()
     imported = [(ns, k) for ns in namespaces for k, v in list(ns.items()) if v is original]
+    held = [
+        (m.__dict__, k)
+        for m in model.modules()
+        for k, v in list(m.__dict__.items())
+        if v is original or (isinstance(v, functools.partial) and v.func is original)
+    ]
     with contextlib.ExitStack() as patches:
         patches.enter_context(thread_local_patch(ckpt, "checkpoint", make))
-        for m in owners:
-            patches.enter_context(thread_local_patch(m.__dict__, _CHECKPOINT_FUNC, make))
-        for ns, key in imported:  # `from torch.utils.checkpoint import checkpoint`
+        for ns, key in imported + held:  # `from torch.utils.checkpoint import checkpoint`
             patches.enter_context(thread_local_patch(ns, key, make))
         yield
 
