@@ -5,6 +5,8 @@ the decorated code. ``backend="eager"`` keeps the decorators cheap on CPU."""
 
 from __future__ import annotations
 
+import json
+import warnings
 from typing import Any
 
 import pytest
@@ -135,6 +137,20 @@ def test_the_routed_graph_runs_the_original_code():
     with torch.no_grad():
         model.eval()(x, t)
     assert COMPILED  # the decorators are still in place
+
+
+def test_explain_counts_the_flops_of_the_original_code():
+    """explain's FLOP count traces each block call with ``make_fx``: the compiled blocks are
+    counted as their original code (no "FX ... dynamo-optimized function" failure), and
+    nothing is compiled."""
+    torch.manual_seed(0)
+    COMPILED.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a failed count is a warning
+        exp = tread_fx.explain(BlockCompiledDiT(), [(1, 3)], 0.5, _inputs())
+    assert COMPILED == []
+    flops = json.loads(exp.to_json())["flops"]
+    assert flops["routed"]["forward"] < flops["original"]["forward"]
 
 
 @pytest.mark.slow
