@@ -88,6 +88,13 @@ def dynamo_wrappers_run_original() -> Iterator[None]:
     routed graph is compiled as a whole with ``compile=``. Uses dynamo's own thread-local
     switch for this where torch has it, else ``set_stance("force_eager")`` (torch >= 2.6);
     older torch calls the decorated code.
+
+    Example:
+        >>> import torch
+        >>> double = torch.compile(lambda x: 2 * x, backend="eager")
+        >>> with dynamo_wrappers_run_original():  # runs the lambda itself
+        ...     double(torch.ones(1))
+        tensor([2.])
     """
     dynamo = sys.modules.get("torch._dynamo")
     eager = getattr(getattr(dynamo, "eval_frame", None), "_use_eager_on_nested_compile", None)
