@@ -13,6 +13,11 @@ relies on:
 - *broken*: anything else: another exception, or one of the invariants above failed;
 - *not buildable*: the model or its unrouted forward fails before tread_fx is involved.
 
+A model that compiles its own code (``@torch.compile`` on its forward, a helper, a block) is
+checked with that compilation off for the whole check (``force_eager``; the row's note says
+so): the comparisons are then eager against eager, and ``route()`` still traces the decorated
+code.
+
 A ``route()`` that silently does nothing scores *broken* (no FLOP drop, no token drop): the
 sweep cannot be satisfied by a no-op.
 
@@ -30,11 +35,14 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import inspect
+import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -45,7 +53,15 @@ import tread_fx
 from benchmarks.coverage_provenance import stream_mismatch
 from tread_fx.inspection.flops import flop_counter
 
-__all__ = ["Case", "Verdict", "judge", "first_tensor", "randomize_zero_init", "VERDICTS"]
+__all__ = [
+    "Case",
+    "Verdict",
+    "judge",
+    "compiled_parts",
+    "first_tensor",
+    "randomize_zero_init",
+    "VERDICTS",
+]
 
 VERDICTS = ("routes", "refused", "broken", "wrong stream", "not buildable")
 DEFAULT_ROUTES = [(1, -1)]
@@ -209,8 +225,7 @@ class _Reference:
     flops: int
 
 
-def _reference(case: Case) -> _Reference:
-    model = _fresh(case)
+def _reference(case: Case, model: nn.Module) -> _Reference:
     pristine = copy.deepcopy(model)
     eval_out = _no_grad_forward(model, case, train=False)
     train_out = _no_grad_forward(model, case, train=True)
@@ -328,15 +343,64 @@ def judge(case: Case, route_fn: Callable = tread_fx.route) -> Verdict:
     started = time.perf_counter()
     try:
         try:
-            ref = _reference(case)
-        except Exception as err:  # noqa: BLE001 - the model itself does not run here
+            model = _fresh(case)
+        except Exception as err:  # noqa: BLE001 - the model itself cannot be built here
             raise _Failed("not buildable", "unrouted model", _reason(err)) from err
-        verdict.model_class = type(ref.pristine).__name__
-        case = dataclasses.replace(case, routes=_resolving_routes(case, ref, route_fn, verdict))
-        _check_routed(case, ref, route_fn, verdict)
-        _check_rate_zero(case, ref, route_fn)
-        _check_explain(case, ref, verdict)
+        with _own_compile_off(model, verdict):
+            _judge_built(case, model, route_fn, verdict)
     except _Failed as failed:
         verdict.verdict, verdict.stage, verdict.reason = failed.verdict, failed.stage, failed.reason
     verdict.seconds = round(time.perf_counter() - started, 2)
     return verdict
+
+
+def _judge_built(case: Case, model: nn.Module, route_fn: Callable, verdict: Verdict) -> None:
+    try:
+        ref = _reference(case, model)
+    except Exception as err:  # noqa: BLE001 - the model itself does not run here
+        raise _Failed("not buildable", "unrouted model", _reason(err)) from err
+    verdict.model_class = type(ref.pristine).__name__
+    case = dataclasses.replace(case, routes=_resolving_routes(case, ref, route_fn, verdict))
+    _check_routed(case, ref, route_fn, verdict)
+    _check_rate_zero(case, ref, route_fn)
+    _check_explain(case, ref, verdict)
+
+
+def compiled_parts(model: nn.Module) -> list[str]:
+    """What of ``model``'s code is wrapped by ``torch.compile``: submodules compiled one by one
+    and functions decorated in its classes or in the Python modules defining them.
+
+    Example:
+        >>> compiled_parts(nn.Sequential(torch.compile(nn.Linear(2, 2)), nn.ReLU()))
+        ['0']
+    """
+    found = [path for path, m in model.named_modules() if type(m).__name__ == "OptimizedModule"]
+    classes = {c for m in model.modules() for c in type(m).__mro__}
+    spaces = [(c.__qualname__ + ".", vars(c)) for c in classes]
+    modules = {sys.modules[c.__module__] for c in classes if c.__module__ in sys.modules}
+    spaces += [("", vars(module)) for module in modules]
+    for prefix, space in spaces:
+        found += [
+            prefix + name
+            for name, value in list(space.items())
+            if inspect.isfunction(value) and hasattr(value, "_torchdynamo_orig_callable")
+        ]
+    return sorted(set(found))
+
+
+@contextlib.contextmanager
+def _own_compile_off(model: nn.Module, verdict: Verdict) -> Iterator[None]:
+    """Run the whole check of a model that compiles its own code with that compilation off
+    (``torch.compiler.set_stance("force_eager")``): the bitwise checks then compare eager
+    numbers on both sides (the routed model's eval still calls the decorated code), and no
+    inductor compile runs on the sweep's CPUs. ``route()`` still traces the decorated code
+    (the stance applies where dynamo would compile, after its check for fx tracing)."""
+    parts = compiled_parts(model)
+    if not parts:
+        yield
+        return
+    shown = ", ".join(parts[:4]) + (f" and {len(parts) - 4} more" if len(parts) > 4 else "")
+    note = f"its own @torch.compile ({shown}) off for the whole check (force_eager)"
+    verdict.note = "; ".join(filter(None, [verdict.note, note]))
+    with torch.compiler.set_stance("force_eager"):
+        yield

@@ -51,9 +51,9 @@ from tread_fx.passes.trace_mutation import (
 )
 from tread_fx.passes.trace_support import (
     DataDependentError,
+    call_python_modules,
     has_call_hooks,
     name_placeholders,
-    python_modules,
     side_effect_error,
     store_object_constant,
     trace_restoring_state,
@@ -487,6 +487,16 @@ def _fetch_attr(root: nn.Module, target: str) -> Any:
     return obj
 
 
+def _new_leaf(path: str | None, auto_leaves: dict[str, str]) -> str | None:
+    """The model-relative path to make a leaf after a failure in module ``path``, or ``None``
+    when none would change the next trace: no path, the model itself or a module handed in
+    as an argument (not one of the model's submodules), a path already a leaf, or the cap."""
+    if path is None or not path.startswith(MODEL_PREFIX) or len(auto_leaves) >= _MAX_AUTO_LEAVES:
+        return None
+    leaf = path[len(MODEL_PREFIX) :]
+    return None if leaf in auto_leaves else leaf
+
+
 def trace_call(
     model: nn.Module, args: tuple, kwargs: dict, leaf_paths: set[str], through_hooks: bool = False
 ) -> TracedCall:
@@ -515,7 +525,9 @@ def trace_call(
     auto_leaves: dict[str, str] = {}
     auto_functions: list = []
     # a class defined in a notebook, a REPL or ``python -c`` lives in a module with no file
-    files = (getattr(m, "__file__", None) for m in python_modules(model))
+    # the model's classes and those of modules handed in as arguments (a rotary module)
+    code_modules = call_python_modules(model, flat)
+    files = (getattr(m, "__file__", None) for m in code_modules)
     model_files = {os.path.abspath(f) for f in files if f}
     flags, retraced = module_flags(model), False
     while True:
@@ -527,7 +539,7 @@ def trace_call(
         tracer = ValueTracer(paths, example, auto_functions, through_hooks)
         # registered leaf functions called from the model's own forward (called directly,
         # not through Module.__call__, so fx would not look in its globals by itself)
-        tracer._autowrap_search.extend(python_modules(model))
+        tracer._autowrap_search.extend(code_modules)
         tracer._autowrap_search.extend(m for f in auto_functions for m in defining_modules(f))
         try:
             graph = trace_restoring_state(tracer, wrapper, model, tensors)
@@ -542,19 +554,20 @@ def trace_call(
                 failure.original.tread_model_error = True
             raise failure.original from None
         except DataDependentError as err:
-            if err.module_path is None or len(auto_leaves) >= _MAX_AUTO_LEAVES:
+            leaf = _new_leaf(err.module_path, auto_leaves)
+            if leaf is None:
                 raise untraceable_error(model, err) from None
-            auto_leaves[err.module_path[len(MODEL_PREFIX) :]] = f"{err.what} at {err.where}"
+            auto_leaves[leaf] = f"{err.what} at {err.where}"
         except Exception as err:  # fx limitation inside a submodule: make it a leaf
             library_fn = library_function_of(err, model_files)
             if library_fn is not None and library_fn not in auto_functions:
                 auto_functions.append(library_fn)  # e.g. einops: called on real values
                 continue
-            path = getattr(err, "tread_module_path", None)
-            if path is None or len(auto_leaves) >= _MAX_AUTO_LEAVES:
+            leaf = _new_leaf(getattr(err, "tread_module_path", None), auto_leaves)
+            if leaf is None:  # no submodule of the model left to make a leaf: no progress
                 where = traceback_location(err)
                 raise untraceable_error(model, DataDependentError(str(err), None, where)) from None
-            auto_leaves[path[len(MODEL_PREFIX) :]] = f"{type(err).__name__}: {err}"
+            auto_leaves[leaf] = f"{type(err).__name__}: {err}"
     thread_inplace(graph)
     drop_unused_sizes(graph)
     gm = fx.GraphModule(wrapper, graph, class_name=type(model).__name__ + "Traced")

@@ -7,7 +7,8 @@ all (``trace_restoring_state`` does).
 - :func:`dynamo_wrappers_call_through`: functions and modules the model decorates with
   ``@torch.compile`` (its ``forward``, a modulate helper, an embedder) run their original
   Python while being traced, as dynamo itself offers (``error_on_nested_fx_trace``); the
-  routed graph is compiled as a whole as usual, and the decorators still apply in eval.
+  routed graph is compiled as a whole as usual, and the decorators still apply in eval;
+  :func:`dynamo_wrappers_run_original`: an uncompiled routed graph runs their original code.
 - :func:`traced_values_are_tensors` (through ``thread_local_patch``: only the tracing thread
   sees it): ``torch.is_tensor(v)`` and ``isinstance(v, torch.Tensor)``
   in the model's own code hold for a traced value that stands for a tensor, so a time
@@ -40,7 +41,12 @@ from tread_fx.passes import thread_patch
 from tread_fx.passes.thread_patch import thread_local_patch
 from tread_fx.passes.trace_support import module_namespaces
 
-__all__ = ["research_code_patches", "dynamo_wrappers_call_through", "traced_values_are_tensors"]
+__all__ = [
+    "research_code_patches",
+    "dynamo_wrappers_call_through",
+    "dynamo_wrappers_run_original",
+    "traced_values_are_tensors",
+]
 
 _builtin_isinstance = builtins.isinstance
 
@@ -67,6 +73,38 @@ def dynamo_wrappers_call_through() -> Iterator[None]:
         yield
         return
     with dynamo.config.patch(error_on_nested_fx_trace=False):
+        yield
+
+
+@contextlib.contextmanager
+def dynamo_wrappers_run_original() -> Iterator[None]:
+    """Run functions and modules optimized by ``torch.compile`` as their original code.
+
+    The routed graph runs under this when it is not compiled itself (``compile=False``): it
+    records the original operations of the code it traced through, and a block it calls
+    whole (a block whose ``forward`` the model decorates, or a block wrapped in
+    ``torch.compile``) runs its original code as well, rather than being compiled again
+    for each routed token count and grad mode with the code around it left eager. The
+    routed graph is compiled as a whole with ``compile=``. Uses dynamo's own thread-local
+    switch for this where torch has it, else ``set_stance("force_eager")`` (torch >= 2.6);
+    older torch calls the decorated code.
+
+    Example:
+        >>> import torch
+        >>> double = torch.compile(lambda x: 2 * x, backend="eager")
+        >>> with dynamo_wrappers_run_original():  # runs the lambda itself
+        ...     double(torch.ones(1))
+        tensor([2.])
+    """
+    dynamo = sys.modules.get("torch._dynamo")
+    eager = getattr(getattr(dynamo, "eval_frame", None), "_use_eager_on_nested_compile", None)
+    if eager is not None:
+        with eager():
+            yield
+    elif dynamo is not None and hasattr(torch.compiler, "set_stance"):
+        with torch.compiler.set_stance("force_eager"):
+            yield
+    else:
         yield
 
 

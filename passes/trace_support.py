@@ -49,6 +49,7 @@ __all__ = [
     "refuse_python_random",
     "checkpoint_as_plain_call",
     "python_modules",
+    "call_python_modules",
     "module_namespaces",
     "report_grad_mode",
     "factories_take_proxies",
@@ -257,6 +258,13 @@ def python_modules(model: nn.Module) -> list[types.ModuleType]:
     """The Python modules defining the model's classes."""
     names = {type(m).__module__ for m in model.modules()}
     return [sys.modules[n] for n in sorted(names) if n in sys.modules]
+
+
+def call_python_modules(model: nn.Module, leaves: list[Any]) -> list[types.ModuleType]:
+    """The Python modules defining the classes of ``model`` and of the modules among a
+    call's flat arguments ``leaves`` (a rotary module handed to a block)."""
+    handed = [v for v in leaves if isinstance(v, nn.Module) and v is not model]
+    return list(dict.fromkeys(m for x in [model, *handed] for m in python_modules(x)))
 
 
 def _forward_namespaces(model: nn.Module) -> list[dict]:

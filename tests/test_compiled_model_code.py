@@ -5,6 +5,10 @@ the decorated code. ``backend="eager"`` keeps the decorators cheap on CPU."""
 
 from __future__ import annotations
 
+import json
+import warnings
+from typing import Any
+
 import pytest
 import torch
 from third_party_checks import INVARIANTS, Case, check_compiled
@@ -91,6 +95,62 @@ def test_the_blocks_are_the_stack(case):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_invariants(case, check):
     check(case)
+
+
+COMPILED: list[torch.fx.GraphModule] = []
+
+
+def _counting_backend(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
+    """A dynamo backend that compiles nothing and counts what it is handed."""
+    COMPILED.append(gm)
+    return gm.forward
+
+
+class BlockCompiledDiT(nn.Module):
+    """Blocks wrapped one by one by ``torch.compile`` (the forward around them is not)."""
+
+    def __init__(self, depth: int = 4) -> None:
+        super().__init__()
+        self.proj_in = nn.Linear(3, D)
+        self.t_embed = nn.Linear(1, D)
+        blocks = [torch.compile(ModulatedBlock(), backend=_counting_backend) for _ in range(depth)]
+        self.blocks = nn.ModuleList(blocks)
+        self.head = nn.Linear(D, 3)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        c, x = self.t_embed(t[:, None]), self.proj_in(x)
+        for block in self.blocks:
+            x = block(x, c)
+        return self.head(x)
+
+
+def test_the_routed_graph_runs_the_original_code():
+    """Uncompiled (no ``compile=``), a routed training call runs the compiled blocks' original
+    code, as traced: nothing is compiled for the routed token counts; eval still calls the
+    compiled blocks."""
+    torch.manual_seed(0)
+    model = tread_fx.route(BlockCompiledDiT(), routes=[(1, 3)], rate=0.5, seed=0)
+    (x, t), _ = _inputs()
+    COMPILED.clear()
+    model.train()(x, t).square().mean().backward()
+    assert COMPILED == []
+    with torch.no_grad():
+        model.eval()(x, t)
+    assert COMPILED  # the decorators are still in place
+
+
+def test_explain_counts_the_flops_of_the_original_code():
+    """explain's FLOP count traces each block call with ``make_fx``: the compiled blocks are
+    counted as their original code (no "FX ... dynamo-optimized function" failure), and
+    nothing is compiled."""
+    torch.manual_seed(0)
+    COMPILED.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a failed count is a warning
+        exp = tread_fx.explain(BlockCompiledDiT(), [(1, 3)], 0.5, _inputs())
+    assert COMPILED == []
+    flops = json.loads(exp.to_json())["flops"]
+    assert flops["routed"]["forward"] < flops["original"]["forward"]
 
 
 @pytest.mark.slow

@@ -92,6 +92,50 @@ def test_a_model_that_does_not_run_is_not_buildable():
     assert judge(case).verdict == "not buildable"
 
 
+SELF_COMPILED: list = []
+
+
+def _counting_backend(gm, example_inputs):
+    SELF_COMPILED.append(gm)
+    return gm.forward
+
+
+class _SelfCompiledBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU())
+        self.out = torch.nn.Linear(64, 32)
+
+    @torch.compile(backend=_counting_backend)
+    def forward(self, x):
+        return x + self.out(self.mlp(x))
+
+
+class _SelfCompiledModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(3, 32)
+        self.blocks = torch.nn.ModuleList(_SelfCompiledBlock() for _ in range(4))
+        self.head = torch.nn.Linear(32, 3)
+
+    def forward(self, x):
+        x = self.proj(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_a_model_that_compiles_its_own_code_is_checked_with_that_off():
+    """Its ``@torch.compile`` is off for the whole check (eager against eager; no compile on
+    the sweep's CPUs), the note says so, and ``route()`` still traces the decorated code."""
+    inputs = lambda: ((torch.randn(2, 16, 3, generator=torch.Generator().manual_seed(3)),), {})
+    SELF_COMPILED.clear()
+    verdict = judge(Case("self-compiled", "test", _SelfCompiledModel, inputs))
+    assert verdict.verdict == "routes", verdict
+    assert "_SelfCompiledBlock.forward" in verdict.note and "force_eager" in verdict.note
+    assert SELF_COMPILED == []
+
+
 def test_layer_counts_are_raised_to_four():
     init = {"num_layers": 2, "depth": 1, "num_attention_heads": 2, "patch_size": 1, "x": True}
     assert raise_layer_counts(init) == {**init, "num_layers": 4, "depth": 4}

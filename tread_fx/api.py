@@ -37,6 +37,7 @@ from tread_fx.errors import (
 from tread_fx.module_state import ModuleModes, call_signature, check_call, traced_through
 from tread_fx.passes.rewrite import Reinsert
 from tread_fx.passes.trace import MODEL_PREFIX
+from tread_fx.passes.trace_compat import dynamo_wrappers_run_original
 from tread_fx.passes.trace_support import has_call_hooks
 from tread_fx.pipeline import Built, build
 from tread_fx.routes import Route
@@ -215,7 +216,7 @@ class _RoutingState:
 
     def _run(self, entry: _Entry, tensors: list, noises: list) -> tuple:
         try:
-            out = entry.fn(entry.built.traced.wrapper, *tensors, *noises)
+            out = self._call_graph(entry, tensors, noises)
         except TreadFxError:
             raise
         except Exception as err:
@@ -233,11 +234,21 @@ class _RoutingState:
         entry.checked = True
         return out
 
+    def _call_graph(self, entry: _Entry, tensors: list, noises: list) -> tuple:
+        """Run the routed graph; uncompiled, code the model compiles itself runs its original
+        Python (``passes/trace_compat.py``), as it was traced."""
+        args = (entry.built.traced.wrapper, *tensors, *noises)
+        if self.compile or torch.compiler.is_compiling():  # dynamo traces the originals
+            return entry.fn(*args)
+        with dynamo_wrappers_run_original():
+            return entry.fn(*args)
+
     def _build(
         self, model: nn.Module, args: tuple, kwargs: dict, config: RoutingConfig | None = None
     ) -> _Entry:
         check_call(model, args, kwargs)
-        built = build(model, args, kwargs, config or self.config)
+        with dynamo_wrappers_run_original():  # a real call while tracing: no compile
+            built = build(model, args, kwargs, config or self.config)
         fn = type(built.gm).forward
         if self.compile:
             options = self.compile if isinstance(self.compile, dict) else {}

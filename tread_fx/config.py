@@ -31,6 +31,7 @@ from tread_fx.passes.rewrite import Reinsert
 from tread_fx.passes.stream_choice import check_stream_option
 from tread_fx.routes import Route, check_rate, parse_routes, resolve_routes
 from tread_fx.runtime.selection import Strategy, get_strategy
+from tread_fx.wrappers import unwrap
 
 __all__ = ["RoutingConfig", "resolve_config"]
 
@@ -103,6 +104,7 @@ def _takes_input(member: nn.Module) -> bool:
     empty slot (``None`` in a ``ModuleList``) takes nothing."""
     if member is None:
         return False
+    member = unwrap(member)  # a block wrapped by torch.compile on its own takes what it takes
     if isinstance(member, nn.ModuleList):
         return any(_takes_input(sub) for sub in member)
     if type(member).forward is nn.Module.forward:  # ModuleDict, ParameterList: no forward

@@ -55,6 +55,7 @@ from tread_fx.inspection.counts import (
     flop_counter,
 )
 from tread_fx.passes.trace import MODEL_PREFIX
+from tread_fx.passes.trace_compat import dynamo_wrappers_run_original
 from tread_fx.runtime.ops import call_in_fp32
 
 __all__ = [
@@ -102,10 +103,12 @@ class _Paused:
 def _trace_cost(
     fn: Callable, state: dict, tensors: list, mode: str = "fake"
 ) -> tuple[Cost, fx.GraphModule]:
-    """Forward: ATen graph of ``fn(state, *tensors)`` (``make_fx``); backward: counted."""
-    forward = make_fx(fn, tracing_mode=mode, _allow_non_fake_inputs=True)(state, *tensors)
-    with _Paused():
-        out = fn(state, *tensors)
+    """Forward: ATen graph of ``fn(state, *tensors)`` (``make_fx``); backward: counted.
+    Code the model compiles itself runs (and is traced) as its original Python."""
+    with dynamo_wrappers_run_original():
+        forward = make_fx(fn, tracing_mode=mode, _allow_non_fake_inputs=True)(state, *tensors)
+        with _Paused():
+            out = fn(state, *tensors)
     backward = _AtenCounter()
     with backward:
         _grads(out, [*tensors, *state.values()])
