@@ -65,6 +65,9 @@ __all__ = [
 _PYTHON_RANDOM = ("random", "uniform", "randint", "randrange", "choice", "sample", "shuffle")
 # tensor methods taking sizes as varargs, called on a real (constant) tensor with traced sizes
 _SIZE_METHODS = ("expand", "view", "reshape", "repeat", "tile", "new_zeros", "new_ones", "new_full")
+_CHECKPOINT_OPTIONS = (
+    "use_reentrant", "preserve_rng_state", "determinism_check", "debug", "context_fn"
+)  # fmt: skip
 _FACTORIES = (
     "ones", "zeros", "empty", "full", "rand", "randn", "randint", "arange", "tensor", "as_tensor"
 )  # fmt: skip
@@ -210,17 +213,19 @@ def checkpoint_as_plain_call(tracer: Any, model: nn.Module) -> Iterator[None]:
 
     original = unpatched(ckpt, "checkpoint")
 
-    def make(previous):
-        def plain(function, *args, use_reentrant=None, **kwargs):
-            for key in ("preserve_rng_state", "determinism_check", "debug", "context_fn"):
-                kwargs.pop(key, None)
-            if tracer.running_eager:
-                return original(function, *args, use_reentrant=use_reentrant, **kwargs)
-            function = _called_block(function)
-            called = function.func if isinstance(function, functools.partial) else function
-            tracer.checkpointed.add(id(getattr(called, "__self__", called)))
-            return function(*args, **kwargs)
+    def plain(function, *args, **kwargs):
+        if tracer.running_eager:  # inside a module run for real: checkpoint as asked
+            return original(function, *args, **kwargs)
+        for key in _CHECKPOINT_OPTIONS:
+            kwargs.pop(key, None)
+        function = _called_block(function)
+        called = function.func if isinstance(function, functools.partial) else function
+        tracer.checkpointed.add(id(getattr(called, "__self__", called)))
+        return function(*args, **kwargs)
 
+    def make(previous):  # a held partial keeps its options (use_reentrant=False, ...)
+        if isinstance(previous, functools.partial):
+            return functools.partial(plain, *previous.args, **previous.keywords)
         return plain
 
     namespaces = {id(ns): ns for ns in _forward_namespaces(model)}.values()

@@ -65,3 +65,27 @@ def test_blocks_called_through_a_held_checkpoint_function_are_seen_and_checkpoin
     tread_fx.route(model, routes=[(1, 3)], rate=0.5, seed=0, reroute=True)
     model(x).square().mean().backward()
     assert tread_fx.route_info(model)[0].kept.shape[-1] == N // 2
+
+
+class HeldInBlock(nn.Module):
+    """A block that checkpoints its inner part through a partial it holds, passing keyword
+    arguments (as torch's ``checkpoint_wrapper`` does): run for real while the model is
+    traced, it must checkpoint with the partial's own options."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = Block()
+        self.zq = functools.partial(checkpoint, use_reentrant=False)
+
+    def forward(self, x, table):
+        return self.zq(self.inner, x, table=table) if self.training else self.inner(x, table)
+
+
+def test_a_partial_held_by_a_block_keeps_its_options_when_run_for_real():
+    torch.manual_seed(0)
+    model = HeldCheckpointModel(lambda block, *args: block(*args)).train()
+    model.blocks = nn.ModuleList(HeldInBlock() for _ in range(4))
+    x = torch.randn(B, N, 4)
+    reference = model(x)
+    tread_fx.route(model, routes=[(1, 3)], rate=0.0, seed=0)
+    torch.testing.assert_close(model(x), reference, rtol=0, atol=0)
