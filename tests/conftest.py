@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -9,6 +11,13 @@ import tread_fx
 from benchmarks.coverage_checks import randomize_zero_init  # noqa: F401 - re-exported to tests
 
 torch.set_num_threads(2)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo_counters():
+    """Each test counts its own graph breaks (dynamo's counters are process-wide)."""
+    if "torch._dynamo" in sys.modules:
+        sys.modules["torch._dynamo"].utils.counters.clear()
 
 
 def tiny_dit(depth: int = 6, input_size: int = 8, patch: int = 2, seed: int = 0, **kwargs):
