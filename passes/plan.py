@@ -28,6 +28,7 @@ from tread_fx.adapters.values import NO_BATCH_DIM
 from tread_fx.errors import InvalidRateError, SelectionError, SideInputError, TokenStreamError
 from tread_fx.passes.dataflow import data_ancestors
 from tread_fx.passes.locate import BlockCall, StreamInfo, input_slots, output_slots
+from tread_fx.passes.member_entry import member_prologue
 from tread_fx.passes.packed import check_packed_strategy, segment_boundaries
 from tread_fx.passes.stacks import argument_items, argument_name
 from tread_fx.passes.streams import (
@@ -146,11 +147,12 @@ def _looks_token_aligned(side: SideValue) -> bool:
 
 def _region(g: nx.DiGraph, info: StreamInfo, route: Route) -> tuple[set, fx.Node, fx.Node]:
     start = info.blocks[route.start]
-    stream_start = input_slots(start.node)[start.in_slot]
+    stream_start = start.stream_in
     if route.end < info.depth and not ends_where_stream_changes(info, route):
         end = info.blocks[route.end]
-        stream_end = input_slots(end.node)[end.in_slot]
-        upstream = nx.ancestors(g, end.node)
+        stream_end = end.stream_in
+        # a member's own code before its first call runs after the scatter, on all tokens
+        upstream = nx.ancestors(g, end.node) - member_prologue(g, end)
     else:
         last = info.blocks[route.end - 1]
         after = info.stream_after if route.end == info.depth else None
@@ -159,7 +161,8 @@ def _region(g: nx.DiGraph, info: StreamInfo, route: Route) -> tuple[set, fx.Node
         outs = {last.node} if tensor else set(output_slots(last.node).values()) or {last.node}
         outs |= {stream_end}
         upstream = set().union(*(nx.ancestors(g, o) | {o} for o in outs))
-    region = (nx.descendants(g, start.node) | {start.node}) & upstream
+    entry = member_prologue(g, start) | {start.node}  # the member's code before its call
+    region = set().union(*(nx.descendants(g, n) | {n} for n in entry)) & upstream
     if stream_end not in region:
         raise TokenStreamError(
             f"the token stream entering block {route.end} does not come from block "

@@ -131,6 +131,14 @@ def _scatter(
         user.replace_input_with(crossing.node, new)
 
 
+def _selection_anchor(graph: fx.Graph, plan: RoutePlan) -> fx.Node:
+    """Where the selection goes: before the route's first block call, or before the code of
+    its member that runs before that call on the gathered stream (a long skip concatenated
+    and projected: ``passes/member_entry.py``)."""
+    users = [u for c in plan.entering if c.node is plan.stream_start for u in c.users]
+    return min([plan.start_block.node, *users], key=lambda n: _position(graph, n))
+
+
 def _position(graph: fx.Graph, node: fx.Node) -> int:
     for i, n in enumerate(graph.nodes):
         if n is node:
@@ -168,7 +176,7 @@ def rewrite_route(
         idx = _moved_selection(gm, plan, kept, owner if owner is not None else gm)
     else:
         noise = _add_noise_input(graph, plan)
-        with graph.inserting_before(plan.start_block.node):
+        with graph.inserting_before(_selection_anchor(graph, plan)):
             kwargs = {"keep": plan.keep_units, "prefix": plan.layout.prefix}
             if plan.segments is not None:  # a packed stream: select within each segment
                 boundaries, kind = plan.segments
@@ -207,7 +215,7 @@ def _moved_selection(gm: fx.GraphModule, plan: RoutePlan, kept: fx.Node, owner) 
         for module in {id(gm): gm, id(owner): owner}.values():  # the graph runs on ``owner``
             module.register_buffer(name, table, persistent=False)
         names.append(name)
-    with gm.graph.inserting_before(plan.start_block.node):
+    with gm.graph.inserting_before(_selection_anchor(gm.graph, plan)):
         tables = [gm.graph.get_attr(name) for name in names]
         return gm.graph.call_function(kept_positions, (kept, *tables))
 
