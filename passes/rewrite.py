@@ -78,6 +78,8 @@ def _gathered_meta(meta: Any, crossing: Crossing, plan: RoutePlan) -> Any:
     if crossing.action == "gather" or "dims" not in options:
         return _with_tokens(meta, plan.layout.token_dim, plan.kept_tokens)
     rows = plan.kept_tokens - options["skip"] + options["lead"] + options["trail"]
+    if _settled(options, plan).get("batch") is not None and options.get("broadcast") is not None:
+        meta = _with_tokens(meta, options["broadcast"], plan.layout.batch_size)
     for dim in options["dims"]:
         meta = _with_tokens(meta, dim, rows)
     return meta
@@ -90,6 +92,15 @@ def _add_noise_input(graph: fx.Graph, plan: RoutePlan) -> fx.Node:
     return _mark(noise, None, "noise", plan.index)
 
 
+def _settled(options: dict, plan: RoutePlan) -> dict:
+    """An adapter's options for this route: a table broadcast over the batch (``broadcast``,
+    its dim of size 1) is taken per sample from its expansion unless the route's selection
+    is shared across the batch (then indexed once, keeping its size 1)."""
+    if options.get("broadcast") is None:
+        return options
+    return {**options, "batch": None if plan.shared_selection else options["broadcast"]}
+
+
 def _gather(graph: fx.Graph, crossing: Crossing, idx: fx.Node, plan: RoutePlan) -> None:
     layout = plan.layout
     first_user = min(crossing.users, key=lambda n: _position(graph, n))
@@ -97,7 +108,7 @@ def _gather(graph: fx.Graph, crossing: Crossing, idx: fx.Node, plan: RoutePlan) 
         if crossing.action == "gather":
             new = graph.call_function(gather_tokens, (crossing.node, idx, layout.token_dim))
         else:
-            fields = {**dataclasses.asdict(layout), **crossing.options}
+            fields = {**dataclasses.asdict(layout), **_settled(crossing.options, plan)}
             new = graph.call_function(crossing.action, (crossing.node, idx), fields)
     meta = _gathered_meta(crossing.node.meta.get("tread_meta"), crossing, plan)
     _mark(new, meta, "gather", plan.index)
