@@ -303,8 +303,9 @@ BUILTIN_ADAPTERS: tuple[Adapter, ...] = (
         action=take_rows,
         options=lambda side: _rope_rows(side, True).options(_table_batch(side)[1]),
         doc=(
-            "A table the blocks combine elementwise with the stream or q/k along a token dim "
-            "(RoPE cos/sin, positional tables, gates) that has the batch dim (size B) and "
+            "A table the blocks (or the code between them) combine elementwise with the "
+            "stream or q/k along a token dim (RoPE cos/sin, positional tables, gates, "
+            "residuals added between blocks) that has the batch dim (size B) and "
             "one other non-feature dim of N (or N - prefix) rows, features last unless only "
             "the last dim has token rows ([B, N] per-token weights; a per-token adaLN "
             "modulation [B, N, 6, d] is one too): each sample's "
