@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from third_party_checks import INVARIANTS, Case
+from third_party_checks import INVARIANTS, Case, check_compiled
 from torch import nn
 
 import tread_fx
@@ -165,3 +165,8 @@ def test_selection_is_per_sample_where_the_table_allows(case, per_sample):
     model.train()(*_inputs()[0])
     kept = tread_fx.route_info(model)[0].kept
     assert (not torch.equal(kept[0], kept[1])) == per_sample
+
+
+@pytest.mark.slow
+def test_compiles_without_recompiling():
+    check_compiled(CASES[0])

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from third_party_checks import INVARIANTS, Case
+from third_party_checks import INVARIANTS, Case, check_compiled
 from torch import nn
 
 import tread_fx
@@ -156,3 +156,8 @@ def test_routed_output_is_tread_by_hand(case):
     with torch.no_grad():
         expected = _by_hand(model, x, _resolved(case, len(model.layers)), ids)
     torch.testing.assert_close(routed.detach(), expected)
+
+
+@pytest.mark.slow
+def test_compiles_without_recompiling():
+    check_compiled(CASES[0])
