@@ -25,7 +25,7 @@ from tread_fx.passes.dataflow import data_ancestors
 from tread_fx.passes.stacks import input_slots
 from tread_fx.passes.trace import TensorMeta
 
-__all__ = ["handed_into_member", "member_prologue"]
+__all__ = ["handed_into_member", "member_prologue", "stream_entering"]
 
 
 def _shape(node: Any) -> tuple | None:
@@ -72,6 +72,24 @@ def handed_into_member(block: Any, prev: Any, value: fx.Node, block_nodes: set) 
     return handed[0] if len(handed) == 1 else value
 
 
+def stream_entering(block: Any) -> fx.Node:
+    """The stream entering ``block`` in the graph as it is now: what its call receives in the
+    stream slot (a route planned and rewritten before may have replaced the located value by
+    its scatter), or, for a member whose own code changes the stream's shape before its first
+    call, the value that code starts from (``block.stream_in``, as located).
+
+    Args:
+        block: The ``BlockCall``.
+
+    Returns:
+        The node holding the stream at the member's boundary.
+    """
+    slot = input_slots(block.node).get(block.in_slot)
+    if slot is block.stream_in or _shape(slot) == _shape(block.stream_in):
+        return slot
+    return block.stream_in
+
+
 def member_prologue(g: nx.DiGraph, block: Any) -> set[fx.Node]:
     """Nodes between the stream entering ``block`` and its first call (the member's own code
     before that call); empty where the call receives the stream itself.
@@ -80,6 +98,7 @@ def member_prologue(g: nx.DiGraph, block: Any) -> set[fx.Node]:
         g: The networkx data-flow graph.
         block: The ``BlockCall``.
     """
-    if input_slots(block.node).get(block.in_slot) is block.stream_in:
+    entering = stream_entering(block)
+    if input_slots(block.node).get(block.in_slot) is entering:
         return set()
-    return nx.descendants(g, block.stream_in) & nx.ancestors(g, block.node)
+    return nx.descendants(g, entering) & nx.ancestors(g, block.node)

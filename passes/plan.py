@@ -28,7 +28,7 @@ from tread_fx.adapters.values import NO_BATCH_DIM
 from tread_fx.errors import InvalidRateError, SelectionError, SideInputError, TokenStreamError
 from tread_fx.passes.dataflow import data_ancestors
 from tread_fx.passes.locate import BlockCall, StreamInfo, input_slots, output_slots
-from tread_fx.passes.member_entry import member_prologue
+from tread_fx.passes.member_entry import member_prologue, stream_entering
 from tread_fx.passes.packed import check_packed_strategy, segment_boundaries
 from tread_fx.passes.region_uses import batch_broadcast, side_use
 from tread_fx.passes.stacks import argument_items, argument_name
@@ -148,10 +148,10 @@ def _looks_token_aligned(side: SideValue) -> bool:
 
 def _region(g: nx.DiGraph, info: StreamInfo, route: Route) -> tuple[set, fx.Node, fx.Node]:
     start = info.blocks[route.start]
-    stream_start = start.stream_in
+    stream_start = stream_entering(start)
     if route.end < info.depth and not ends_where_stream_changes(info, route):
         end = info.blocks[route.end]
-        stream_end = end.stream_in
+        stream_end = stream_entering(end)
         # a member's own code before its first call runs after the scatter, on all tokens
         upstream = nx.ancestors(g, end.node) - member_prologue(g, end)
     else:

@@ -66,7 +66,8 @@ def side_use(
     stream_start, block_nodes = ends
     tokens = {layout.num_tokens, layout.num_tokens - layout.prefix, layout.routable}
     gm = node.graph.owning_module
-    between = between_use(node, region, stream_start, block_nodes, tokens, gm)
+    batch = (layout.batch_dim, layout.batch_size)
+    between = between_use(node, region, stream_start, block_nodes, tokens, gm, batch)
     return strongest({in_blocks, between})
 
 
@@ -77,8 +78,19 @@ def between_use(
     block_nodes: Any,
     tokens: set[int],
     gm: fx.GraphModule,
+    batch: tuple[int, int] | None = None,
 ) -> Use | None:
-    """How the region's code between the blocks uses ``node`` (``None``: it does not).
+    """How the region's code between the blocks uses ``node`` (``None``: it does not, or
+    the op rules cannot tell).
+
+    Only tensors are decided here (an int is a count only by how it sizes the stream:
+    :mod:`tread_fx.passes.token_counts`). "Never per token" (:attr:`Use.NONE`) is a verdict
+    only where every stream value the code combines it with keeps the stream's batch at its
+    batch dim: code that folds the tokens into the batch (``[B * N, F, C]``, to run the
+    blocks of another stack between the routed ones) uses it per row, and a row there is a
+    token; the op rules, which read tokens at a token dim, cannot tell, so it stays unseen
+    (``None``) and the data-flow rules (``tokens-folded-into-batch``) decide it as they do a
+    value no routed block receives.
 
     Args:
         node: A value entering the region.
@@ -87,25 +99,29 @@ def between_use(
         block_nodes: The block call nodes (their uses are the blocks' own).
         tokens: Token counts of the routed stream.
         gm: The traced GraphModule (for leaf modules between the blocks).
+        batch: ``(batch_dim, batch_size)`` of the routed stream; ``None``: not checked.
 
     Returns:
         The strongest use found, :attr:`Use.NONE` when the code uses it but never with the
-        stream per token, or ``None`` when no code between the blocks reads it.
+        stream per token, or ``None`` when no code between the blocks reads it (or it reads
+        it only beside a stream whose batch holds tokens).
     """
+    if not _is_tensorish(node.meta.get("tread_meta")):
+        return None
     if not any(u in region and u not in block_nodes for u in node.users):
         return None
     stream = _forward(stream_start, region)
     reach = _forward(node, region)
     ctx = (tokens, gm)
-    found = {
-        use
-        for n in reach
-        if n is not node and n not in block_nodes
-        if (use := _tensor_use(n, reach, stream, ctx)) is not None
-    }
-    if not found and any(_meets_unseen(n, reach, stream) for n in reach if n not in block_nodes):
+    code = [n for n in reach if n is not node and n not in block_nodes]
+    found = {use for n in code if (use := _tensor_use(n, reach, stream, ctx)) is not None}
+    if found:
+        return strongest(found)
+    if any(_meets_unseen(n, reach, stream) for n in code):
         return Use.UNKNOWN
-    return strongest(found) or Use.NONE
+    if batch is not None and any(_meets_refolded(n, reach, stream, batch) for n in code):
+        return None
+    return Use.NONE
 
 
 def _meets_unseen(node: fx.Node, reach: set[fx.Node], stream: set[fx.Node]) -> bool:
@@ -115,6 +131,17 @@ def _meets_unseen(node: fx.Node, reach: set[fx.Node], stream: set[fx.Node]) -> b
     mine = any(a in reach and a not in stream for a in inputs)
     theirs = any(a in stream and a not in reach for a in inputs)
     return mine and theirs and _name(node) not in _ELEMENTWISE
+
+
+def _meets_refolded(
+    node: fx.Node, reach: set[fx.Node], stream: set[fx.Node], batch: tuple[int, int]
+) -> bool:
+    """``node`` combines the value with a stream value whose batch dim no longer holds the
+    stream's batch (the code has folded tokens into it, or moved the batch)."""
+    dim, size = batch
+    mine = any(a in reach and a not in stream for a in node.all_input_nodes)
+    theirs = [a for a in node.all_input_nodes if a in stream and a not in reach]
+    return mine and any(_batch(a, dim) not in (size, None) for a in theirs)
 
 
 def strongest(uses: set[Use | None]) -> Use | None:
