@@ -87,7 +87,16 @@ def stream_entering(block: Any) -> fx.Node:
     slot = input_slots(block.node).get(block.in_slot)
     if slot is block.stream_in or _shape(slot) == _shape(block.stream_in):
         return slot
-    return block.stream_in
+    return _scattered(block.stream_in)
+
+
+def _scattered(node: fx.Node) -> fx.Node:
+    """``node``, or the scatter a route ending here put in its place (``passes/rewrite.py``
+    marks it ``tread_role == "scatter"``, the routed value its second argument)."""
+    for user in node.users:
+        if user.meta.get("tread_role") == "scatter" and user.args[1:2] == (node,):
+            return _scattered(user)
+    return node
 
 
 def member_prologue(g: nx.DiGraph, block: Any) -> set[fx.Node]:

@@ -161,3 +161,13 @@ def test_routed_output_is_tread_by_hand(case):
 @pytest.mark.slow
 def test_compiles_without_recompiling():
     check_compiled(CASES[0])
+
+
+CONSECUTIVE = Case("meet-at-a-skip", SkipTriples, _inputs, routes=[(1, 4), (4, 6)])
+
+
+@pytest.mark.parametrize("check", INVARIANTS, ids=lambda f: f.__name__)
+def test_consecutive_routes_meeting_at_a_member_with_code_before_its_call(check):
+    """The second route starts at the scatter the first put before the member's own code
+    (the located stream value is replaced by the rewrite of the first route)."""
+    check(CONSECUTIVE)
