@@ -25,6 +25,7 @@ from torch import nn
 
 from tread_fx.errors import TokenStreamError
 from tread_fx.passes.joint import joint_parts
+from tread_fx.passes.member_entry import handed_into_member
 from tread_fx.passes.packed import check_one_packed_stream, is_packed, packed_layout
 from tread_fx.passes.stacks import (
     ancestors,
@@ -358,7 +359,7 @@ def _assign_stream_slots(blocks: list[BlockCall], primary: fx.Node, block_nodes:
                 f"block {block.path} is not called with a token stream in {block.in_slot} like "
                 "the blocks before it; route() needs blocks called the same way."
             )
-        block.stream_in = slots[block.in_slot]
+        block.stream_in = handed_into_member(block, prev, slots[block.in_slot], block_nodes)
         following = blocks[i + 1] if i + 1 < len(blocks) else None
         last_of_list = following is None or following.list_path != block.list_path
         outs = output_slots(block.node)

@@ -28,7 +28,9 @@ from tread_fx.adapters.values import NO_BATCH_DIM
 from tread_fx.errors import InvalidRateError, SelectionError, SideInputError, TokenStreamError
 from tread_fx.passes.dataflow import data_ancestors
 from tread_fx.passes.locate import BlockCall, StreamInfo, input_slots, output_slots
+from tread_fx.passes.member_entry import member_prologue, stream_entering
 from tread_fx.passes.packed import check_packed_strategy, segment_boundaries
+from tread_fx.passes.region_uses import batch_broadcast, side_use
 from tread_fx.passes.stacks import argument_items, argument_name
 from tread_fx.passes.streams import (
     check_no_token_tables_inside,
@@ -42,7 +44,7 @@ from tread_fx.passes.streams import (
 )
 from tread_fx.passes.token_counts import count_arguments
 from tread_fx.passes.trace import TensorMeta
-from tread_fx.passes.uses import how_used, reached_ops, route_uses, shape_warning, value_uses
+from tread_fx.passes.uses import how_used, reached_ops, route_uses, shape_warning
 from tread_fx.routes import Route
 from tread_fx.runtime.selection import Strategy, kept_units
 
@@ -146,11 +148,12 @@ def _looks_token_aligned(side: SideValue) -> bool:
 
 def _region(g: nx.DiGraph, info: StreamInfo, route: Route) -> tuple[set, fx.Node, fx.Node]:
     start = info.blocks[route.start]
-    stream_start = input_slots(start.node)[start.in_slot]
+    stream_start = stream_entering(start)
     if route.end < info.depth and not ends_where_stream_changes(info, route):
         end = info.blocks[route.end]
-        stream_end = input_slots(end.node)[end.in_slot]
-        upstream = nx.ancestors(g, end.node)
+        stream_end = stream_entering(end)
+        # a member's own code before its first call runs after the scatter, on all tokens
+        upstream = nx.ancestors(g, end.node) - member_prologue(g, end)
     else:
         last = info.blocks[route.end - 1]
         after = info.stream_after if route.end == info.depth else None
@@ -159,7 +162,8 @@ def _region(g: nx.DiGraph, info: StreamInfo, route: Route) -> tuple[set, fx.Node
         outs = {last.node} if tensor else set(output_slots(last.node).values()) or {last.node}
         outs |= {stream_end}
         upstream = set().union(*(nx.ancestors(g, o) | {o} for o in outs))
-    region = (nx.descendants(g, start.node) | {start.node}) & upstream
+    entry = member_prologue(g, start) | {start.node}  # the member's code before its call
+    region = set().union(*(nx.descendants(g, n) | {n} for n in entry)) & upstream
     if stream_end not in region:
         raise TokenStreamError(
             f"the token stream entering block {route.end} does not come from block "
@@ -181,10 +185,11 @@ def _dict_keys_holding(block: Any, user: fx.Node, node: fx.Node) -> set[str]:
     }
 
 
-def _side_value(g, node, users, region, info, layout, block_nodes, uses) -> SideValue:
+def _side_value(g, node, users, region, info, layout, block_nodes, ctx) -> SideValue:
     names, classes = set(), set()
+    uses, stream_start = ctx
     receiving = {u: uses.get(u) for u in users if u in block_nodes}
-    use = value_uses(node, receiving)
+    use = side_use(node, receiving, region, (stream_start, block_nodes), layout)
     for user in users:
         if user in block_nodes:
             for key, arg in input_slots(user).items():
@@ -212,6 +217,7 @@ def _side_value(g, node, users, region, info, layout, block_nodes, uses) -> Side
         from_inputs=_from_inputs(node),
         use=use,
         reaches=frozenset(reached_ops(node, receiving)),
+        batch_broadcast=batch_broadcast(node, region, stream_start, layout),
         primary=info.primary,
     )
 
@@ -275,7 +281,7 @@ def _entering(g, plan_args, region, info, layout, strict) -> list[Crossing]:
             crossings.append(Crossing(value, "gather", "token stream", users))
             continue
         slot = start_slots.get(value)
-        side = _side_value(g, value, users, region, info, layout, block_nodes, uses)
+        side = _side_value(g, value, users, region, info, layout, block_nodes, (uses, stream_start))
         carried_slot = slot if slot in carried and start.node in users else None
         crossings.append(_classify_entering(side, users, carried_slot, family, strict))
     return crossings

@@ -78,6 +78,8 @@ def _gathered_meta(meta: Any, crossing: Crossing, plan: RoutePlan) -> Any:
     if crossing.action == "gather" or "dims" not in options:
         return _with_tokens(meta, plan.layout.token_dim, plan.kept_tokens)
     rows = plan.kept_tokens - options["skip"] + options["lead"] + options["trail"]
+    if _settled(options, plan).get("batch") is not None and options.get("broadcast") is not None:
+        meta = _with_tokens(meta, options["broadcast"], plan.layout.batch_size)
     for dim in options["dims"]:
         meta = _with_tokens(meta, dim, rows)
     return meta
@@ -90,6 +92,15 @@ def _add_noise_input(graph: fx.Graph, plan: RoutePlan) -> fx.Node:
     return _mark(noise, None, "noise", plan.index)
 
 
+def _settled(options: dict, plan: RoutePlan) -> dict:
+    """An adapter's options for this route: a table broadcast over the batch (``broadcast``,
+    its dim of size 1) is taken per sample from its expansion unless the route's selection
+    is shared across the batch (then indexed once, keeping its size 1)."""
+    if options.get("broadcast") is None:
+        return options
+    return {**options, "batch": None if plan.shared_selection else options["broadcast"]}
+
+
 def _gather(graph: fx.Graph, crossing: Crossing, idx: fx.Node, plan: RoutePlan) -> None:
     layout = plan.layout
     first_user = min(crossing.users, key=lambda n: _position(graph, n))
@@ -97,7 +108,7 @@ def _gather(graph: fx.Graph, crossing: Crossing, idx: fx.Node, plan: RoutePlan) 
         if crossing.action == "gather":
             new = graph.call_function(gather_tokens, (crossing.node, idx, layout.token_dim))
         else:
-            fields = {**dataclasses.asdict(layout), **crossing.options}
+            fields = {**dataclasses.asdict(layout), **_settled(crossing.options, plan)}
             new = graph.call_function(crossing.action, (crossing.node, idx), fields)
     meta = _gathered_meta(crossing.node.meta.get("tread_meta"), crossing, plan)
     _mark(new, meta, "gather", plan.index)
@@ -129,6 +140,14 @@ def _scatter(
     _mark(new, source.meta.get("tread_meta"), "scatter", plan.index)
     for user in crossing.users:
         user.replace_input_with(crossing.node, new)
+
+
+def _selection_anchor(graph: fx.Graph, plan: RoutePlan) -> fx.Node:
+    """Where the selection goes: before the route's first block call, or before the code of
+    its member that runs before that call on the gathered stream (a long skip concatenated
+    and projected: ``passes/member_entry.py``)."""
+    users = [u for c in plan.entering if c.node is plan.stream_start for u in c.users]
+    return min([plan.start_block.node, *users], key=lambda n: _position(graph, n))
 
 
 def _position(graph: fx.Graph, node: fx.Node) -> int:
@@ -168,7 +187,7 @@ def rewrite_route(
         idx = _moved_selection(gm, plan, kept, owner if owner is not None else gm)
     else:
         noise = _add_noise_input(graph, plan)
-        with graph.inserting_before(plan.start_block.node):
+        with graph.inserting_before(_selection_anchor(graph, plan)):
             kwargs = {"keep": plan.keep_units, "prefix": plan.layout.prefix}
             if plan.segments is not None:  # a packed stream: select within each segment
                 boundaries, kind = plan.segments
@@ -207,7 +226,7 @@ def _moved_selection(gm: fx.GraphModule, plan: RoutePlan, kept: fx.Node, owner) 
         for module in {id(gm): gm, id(owner): owner}.values():  # the graph runs on ``owner``
             module.register_buffer(name, table, persistent=False)
         names.append(name)
-    with gm.graph.inserting_before(plan.start_block.node):
+    with gm.graph.inserting_before(_selection_anchor(gm.graph, plan)):
         tables = [gm.graph.get_attr(name) for name in names]
         return gm.graph.call_function(kept_positions, (kept, *tables))
 

@@ -18,6 +18,7 @@ from third_party_checks import (
 )
 
 import tread_fx
+from tread_fx.adapters.token_tables import take_rows
 
 diffusers = pytest.importorskip("diffusers")
 warnings.filterwarnings("ignore", category=FutureWarning, module="diffusers")
@@ -184,11 +185,13 @@ def test_sd3_text_stream_is_never_routed_and_last_block_returns_none_context():
 
 
 def test_sd3_controlnet_residuals_between_routed_blocks_are_gathered():
+    """The residuals are added to the stream between the blocks: a per-sample table by that
+    use (passes/region_uses.py), its rows gathered per sample with the kept ids."""
     case = CASES["sd3-controlnet"]
     model = case.route(case.model())
     train_forward(model, case)
-    gathered = [c for c in _plan(model).entering if c.reason == "adapter 'residual'"]
-    assert gathered and all(c.action == "gather" for c in gathered)
+    gathered = [c for c in _plan(model).entering if c.reason == "adapter 'rope-per-sample'"]
+    assert gathered and all(c.action is take_rows and c.options["batch"] == 0 for c in gathered)
 
 
 @pytest.mark.parametrize("name", ["flux", "flux-text-as-long-as-image"])

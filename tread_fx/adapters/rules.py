@@ -3,7 +3,7 @@
 Each rule is an :class:`~tread_fx.adapters.registry.Adapter`; its ``doc`` says what it
 assumes. The registry consults user adapters first, then these:
 ``broadcast-over-tokens``, ``context``, ``not-per-token``,
-``rope-per-sample``,
+``rope-per-sample``, ``table-between-blocks``,
 ``rope-batch-shared``, ``rope-other-stream``, ``attention-mask``,
 ``attention-mask-shared``, ``ids``, ``ids-shared``, ``token-index-shared``,
 ``tokens-folded-into-batch``, ``stream-derived``, ``residual``, ``per-token-by-shape``;
@@ -76,6 +76,14 @@ def _has_features(side: SideValue) -> bool:
     shape = tensor_metas(side.meta)[0].shape
     long = [d for d, s in enumerate(shape) if d != batch and s >= side.stream.routable]
     return long != [len(shape) - 1]
+
+
+def _broadcast_rows(side: SideValue) -> RowMap | None:
+    """A table whose every use is elementwise with the stream between the blocks, with a dim
+    of size 1 at the stream's batch dim (``SideValue.batch_broadcast``)."""
+    if not _is_table(side) or side.batch_broadcast is None:
+        return None
+    return _rows(side, per_sample=False, features_last=_has_features(side))
 
 
 def _is_mask(side: SideValue) -> bool:
@@ -295,13 +303,32 @@ BUILTIN_ADAPTERS: tuple[Adapter, ...] = (
         action=take_rows,
         options=lambda side: _rope_rows(side, True).options(_table_batch(side)[1]),
         doc=(
-            "A table the blocks combine elementwise with the stream or q/k along a token dim "
-            "(RoPE cos/sin, positional tables, gates) that has the batch dim (size B) and "
+            "A table the blocks (or the code between them) combine elementwise with the "
+            "stream or q/k along a token dim (RoPE cos/sin, positional tables, gates, "
+            "residuals added between blocks) that has the batch dim (size B) and "
             "one other non-feature dim of N (or N - prefix) rows, features last unless only "
             "the last dim has token rows ([B, N] per-token weights; a per-token adaLN "
             "modulation [B, N, 6, d] is one too): each sample's "
             "rows are gathered with its kept ids. Tables with extra rows (T + N) are cut only "
             "when a concatenation in the graph shows where the N token rows are."
+        ),
+        builtin=True,
+    ),
+    Adapter(
+        name="table-between-blocks",
+        matches=lambda side: _broadcast_rows(side) is not None,
+        action=take_rows,
+        options=lambda side: {
+            **_broadcast_rows(side).options(None),
+            "broadcast": side.batch_broadcast,
+        },
+        doc=(
+            "A table the code between the routed blocks adds (or multiplies) elementwise to "
+            "the stream along a token dim, with a dim of size 1 where the stream has its "
+            "batch ([1, N, d]: a decoder's position table added between an encoder and a "
+            "decoder stack): the graph shows it broadcast over the batch, so its kept rows "
+            "are taken per sample from its expansion ([B, k, d]); with a selection shared "
+            "across the batch (another value needs it) it keeps its size 1 ([1, k, d])."
         ),
         builtin=True,
     ),

@@ -301,9 +301,11 @@ def _take_per_sample(x: torch.Tensor, ids: torch.Tensor, batch: int, dim: int) -
     return x.gather(dim, ordered.reshape(view).expand(target))
 
 
-def _take_one(x: Any, idx: torch.Tensor, dims, lead, skip, trail, batch) -> Any:
+def _take_one(x: Any, idx: torch.Tensor, dims, lead, skip, trail, batch, broadcast=None) -> Any:
     if not isinstance(x, torch.Tensor):
         return x
+    if broadcast is not None and batch is not None:  # [1, N, d] -> [B, N, d], then per sample
+        x = x.expand(*x.shape[:broadcast], idx.shape[0], *x.shape[broadcast + 1 :])
     for dim in dims:
         ids = _row_ids(idx, x.shape[dim], lead, skip, trail)
         shared = batch is None
@@ -320,6 +322,7 @@ def take_rows(
     skip: int,
     trail: int,
     batch: int | None,
+    broadcast: int | None = None,
     **layout: Any,
 ) -> Any:
     """Keep the table rows of the kept tokens ``idx`` [B, k] (prefix ids first).
@@ -333,14 +336,18 @@ def take_rows(
         trail: Rows after the token rows (kept).
         batch: The table's batch dim for a per-sample gather; ``None`` for a batch-shared
             table, indexed with the first sample's ids (the selection is shared).
+        broadcast: A dim of size 1 the value is broadcast along over the batch: with
+            ``batch`` given, the value is expanded to the batch there and taken per sample.
         **layout: The stream layout (unused; passed to every adapter action).
 
     Returns:
         The value with only the kept rows, same structure and rank.
     """
     if isinstance(value, (tuple, list)):
-        return type(value)(_take_one(v, idx, dims, lead, skip, trail, batch) for v in value)
-    return _take_one(value, idx, dims, lead, skip, trail, batch)
+        return type(value)(
+            _take_one(v, idx, dims, lead, skip, trail, batch, broadcast) for v in value
+        )
+    return _take_one(value, idx, dims, lead, skip, trail, batch, broadcast)
 
 
 def per_sample_rope_table(

@@ -84,14 +84,18 @@ class SideValue:
         combined_with_stream: A region op combines it elementwise with a region value.
         from_inputs: Its values come from a model input (not only from constants,
             parameters, buffers or tensor shapes): it can vary with the batch.
-        use: How the routed blocks use it (:class:`tread_fx.passes.uses.Use` value:
-            ``"mask"``, ``"table"``, ``"ids"``, ``"context"``, ``"none"``, ``"unknown"``: it
-            meets the stream only inside a leaf module), or ``None``
+        use: How the routed blocks and the code between them use it
+            (:class:`tread_fx.passes.uses.Use` value: ``"mask"``, ``"table"``, ``"ids"``,
+            ``"context"``, ``"none"``, ``"unknown"``: it meets the stream only inside a
+            leaf module), or ``None``
             when no block receiving it could be traced through. Built-in rules decide by
             this and the shapes; ``arg_names`` are hints for ``explain`` and user adapters.
         reaches: Names of the block ops that read it first (for refusal messages).
         primary: The model input the routed stream comes from (ties between table parts
             of N rows go to the part computed from it).
+        batch_broadcast: The stream's batch dim, where the value has size 1 there and every
+            use of it in the region is elementwise with the stream between the blocks (the
+            graph shows it broadcast over the batch); else ``None``.
     """
 
     node: fx.Node
@@ -106,6 +110,7 @@ class SideValue:
     use: str | None = None
     reaches: frozenset[str] = frozenset()
     primary: fx.Node | None = None
+    batch_broadcast: int | None = None
 
     def dims_of_size(self, size: int) -> list[int]:
         """Dims (other than batch) of the value whose size is ``size``."""
