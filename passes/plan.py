@@ -311,7 +311,7 @@ def _leaving(region, info, route, stream, entering, layout, non_token=frozenset(
         elif _is_token_aligned(meta, layout) or _holds_token_aligned(meta, layout):
             users = ", ".join(u.name for u in outside)
             raise SideInputError(
-                f"value '{node.name}' with shape {getattr(meta, 'shape', meta)} is computed "
+                f"value '{node.name}' with shape {_shape_text(meta)} is computed "
                 f"inside route ({route.start}, {route.end}) on the kept tokens only and used "
                 f"after it by {users}, but it has no counterpart at the route start to scatter "
                 "into. Choose a route that does not split it (end the route before it is "
@@ -320,6 +320,13 @@ def _leaving(region, info, route, stream, entering, layout, non_token=frozenset(
         else:
             crossings.append(Crossing(node, "pass", "not token-aligned", outside))
     return crossings
+
+
+def _shape_text(meta: Any) -> Any:
+    """A value's shape for messages; a tuple's item shapes (``((2, 65, 32), (2, 17, 64))``)."""
+    if isinstance(meta, (tuple, list)):
+        return tuple(getattr(m, "shape", m) for m in meta)
+    return getattr(meta, "shape", meta)
 
 
 def _holds_token_aligned(meta: Any, layout: StreamLayout) -> bool:
