@@ -12,17 +12,15 @@ Example:
 
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 from torch import nn
 
 from tread_fx.errors import TokenStreamError
+from tread_fx.passes.concats import concatenation_parts
 from tread_fx.passes.stacks import ancestors
 from tread_fx.passes.trace import TensorMeta
 
 __all__ = ["joint_parts", "parts_from_concat"]
-
-_CAT = (torch.cat, torch.concat, torch.concatenate)
 
 
 def joint_parts(
@@ -68,7 +66,7 @@ def _concatenated(stream0: fx.Node, token_dim: int, num_tokens: int) -> bool:
     position is computed alike from the main input, and a declared prefix (CaiT's and
     ConViT's class token, added only before their later blocks) is not in this stream."""
     upstream = ancestors(stream0, set()) | {stream0}
-    return any(_cat_sizes(n, token_dim, num_tokens) is not None for n in upstream)
+    return any(_concat_parts(n, token_dim, num_tokens) is not None for n in upstream)
 
 
 def parts_from_concat(
@@ -85,14 +83,15 @@ def parts_from_concat(
     """
     upstream = ancestors(stream0, set()) | {stream0}
     for node in reversed([n for n in stream0.graph.nodes if n in upstream]):
-        sizes = _cat_sizes(node, token_dim, num_tokens)
-        if sizes is None:
+        found = _concat_parts(node, token_dim, num_tokens)
+        if found is None:
             continue
-        image = [i for i, part in enumerate(node.args[0]) if _from_primary(part, primary)]
+        parts, sizes = found
+        image = [i for i, part in enumerate(parts) if _from_primary(part, primary)]
         if not image:
             continue
         prefix, suffix = sum(sizes[: image[0]]), sum(sizes[image[-1] + 1 :])
-        part = node.args[0][image[0]]
+        part = parts[image[0]]
         if len(image) == 1 and part is not primary and sizes[image[0]] != num_tokens:
             inner = parts_from_concat(part, primary, token_dim, sizes[image[0]])
             prefix, suffix = prefix + inner[0], suffix + inner[1]
@@ -100,20 +99,18 @@ def parts_from_concat(
     return 0, 0
 
 
-def _cat_sizes(node: fx.Node, token_dim: int, num_tokens: int) -> list[int] | None:
-    """Token counts of the parts of a concatenation along the token dim into ``num_tokens``."""
-    if node.op != "call_function" or node.target not in _CAT:
-        return None
-    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+def _concat_parts(
+    node: fx.Node, token_dim: int, num_tokens: int
+) -> tuple[list[fx.Node], list[int]] | None:
+    """Parts and their token counts of a concatenation along the token dim into
+    ``num_tokens``: a ``torch.cat``, or a leaf function whose values showed one
+    (``pack([x, registers], "b * d")``, :mod:`tread_fx.passes.concats`)."""
     out = node.meta.get("tread_meta")
-    if not isinstance(out, TensorMeta) or not isinstance(dim, int):
+    if not isinstance(out, TensorMeta) or len(out.shape) <= token_dim:
         return None
-    if dim % len(out.shape) != token_dim or out.shape[token_dim] != num_tokens:
+    if out.shape[token_dim] != num_tokens:
         return None
-    metas = [p.meta.get("tread_meta") if isinstance(p, fx.Node) else None for p in node.args[0]]
-    if not all(isinstance(m, TensorMeta) and len(m.shape) > token_dim for m in metas):
-        return None
-    return [m.shape[token_dim] for m in metas]
+    return concatenation_parts(node, token_dim)
 
 
 def _from_primary(part: fx.Node, primary: fx.Node) -> bool:

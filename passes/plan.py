@@ -27,6 +27,7 @@ from tread_fx.adapters import SideValue, StreamLayout, adapters
 from tread_fx.adapters.values import NO_BATCH_DIM
 from tread_fx.errors import InvalidRateError, SelectionError, SideInputError, TokenStreamError
 from tread_fx.passes.dataflow import data_ancestors
+from tread_fx.passes.inner_uses import inner_call_uses
 from tread_fx.passes.locate import BlockCall, StreamInfo, input_slots, output_slots
 from tread_fx.passes.member_entry import member_prologue, stream_entering
 from tread_fx.passes.packed import check_packed_strategy, segment_boundaries
@@ -268,6 +269,8 @@ def _classify_entering(side: SideValue, users, carried_slot, family, strict: boo
 def _entering(g, plan_args, region, info, layout, strict) -> list[Crossing]:
     start, stream_start, uses = plan_args
     block_nodes = {b.node: _module_of(b) for b in info.blocks}
+    inner = {n: n.graph.owning_module.get_submodule(n.target) for n in uses if n not in block_nodes}
+    block_nodes |= inner  # module calls inside the routed blocks receive values too
     start_slots = {n: k for k, n in input_slots(start.node).items()}
     family = family_slots(g, info, start)
     carried = set(info.carried.get(start.list_path, {}).values())
@@ -314,7 +317,7 @@ def _leaving(region, info, route, stream, entering, layout, non_token=frozenset(
         elif _is_token_aligned(meta, layout) or _holds_token_aligned(meta, layout):
             users = ", ".join(u.name for u in outside)
             raise SideInputError(
-                f"value '{node.name}' with shape {getattr(meta, 'shape', meta)} is computed "
+                f"value '{node.name}' with shape {_shape_text(meta)} is computed "
                 f"inside route ({route.start}, {route.end}) on the kept tokens only and used "
                 f"after it by {users}, but it has no counterpart at the route start to scatter "
                 "into. Choose a route that does not split it (end the route before it is "
@@ -323,6 +326,13 @@ def _leaving(region, info, route, stream, entering, layout, non_token=frozenset(
         else:
             crossings.append(Crossing(node, "pass", "not token-aligned", outside))
     return crossings
+
+
+def _shape_text(meta: Any) -> Any:
+    """A value's shape for messages; a tuple's item shapes (``((2, 65, 32), (2, 17, 64))``)."""
+    if isinstance(meta, (tuple, list)):
+        return tuple(getattr(m, "shape", m) for m in meta)
+    return getattr(meta, "shape", meta)
 
 
 def _holds_token_aligned(meta: Any, layout: StreamLayout) -> bool:
@@ -428,7 +438,7 @@ def plan_route(
         folded=info.folded,
     )
     start = info.blocks[route.start]
-    uses = route_uses(gm, info.blocks[route.start : route.end], layout, info.token_dim)
+    uses = _uses(gm, info, route, region, layout)
     entering = _entering(g, (start, stream_start, uses), region, info, layout, strict)
     non_token = non_token_carried(g, info, route)
     leaving = _leaving(region, info, route, (stream_start, stream_end), entering, layout, non_token)
@@ -491,6 +501,14 @@ def plan_route(
     )
 
 
+def _uses(gm, info: StreamInfo, route: Route, region: set, layout: StreamLayout) -> dict:
+    """Uses of the values entering the route: by its blocks, and by the other module calls
+    inside them (the attention of a ``[norm, attention, residual]`` member)."""
+    uses = route_uses(gm, info.blocks[route.start : route.end], layout, info.token_dim)
+    blocks = {b.node for b in info.blocks}
+    return uses | inner_call_uses(gm, region, blocks, layout, info.token_dim)
+
+
 def _batch_size(info: StreamInfo, shape: tuple) -> int:
     """The stream's batch size (1 for a packed stream, which has no batch dim)."""
     return info.batch_size if info.batch_dim == NO_BATCH_DIM else shape[info.batch_dim]
@@ -514,7 +532,7 @@ def _plan_piece(gm, g, info, route: Route, follows: RoutePlan, change, strict) -
         folded=info.folded,
     )
     start = info.blocks[route.start]
-    uses = route_uses(gm, info.blocks[route.start : route.end], layout, info.token_dim)
+    uses = _uses(gm, info, route, region, layout)
     entering = _entering(g, (start, stream_start, uses), region, info, layout, strict)
     non_token = non_token_carried(g, info, route)
     leaving = _leaving(region, info, route, (stream_start, stream_end), entering, layout, non_token)

@@ -16,13 +16,12 @@ from __future__ import annotations
 import math
 
 import networkx as nx
-import torch
 import torch.fx as fx
 
 from tread_fx.errors import SideInputError, TokenStreamError
+from tread_fx.passes.concats import concatenation_parts
 from tread_fx.passes.locate import BlockCall, StreamInfo, input_slots, output_slots
 from tread_fx.passes.stacks import argument_items
-from tread_fx.passes.trace import TensorMeta
 from tread_fx.routes import Route
 
 __all__ = [
@@ -154,14 +153,10 @@ def stream_prefix(g: nx.DiGraph, info: StreamInfo, start: BlockCall) -> int:
 
 
 def prefix_in_cat(g, node: fx.Node, image: fx.Node, info: StreamInfo, tokens: int) -> int | None:
-    if node.op != "call_function" or node.target not in (torch.cat, torch.concat):
+    found = concatenation_parts(node, info.token_dim)  # torch.cat, or a leaf such as pack
+    if found is None:
         return None
-    parts = node.args[0]
-    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
-    out = node.meta.get("tread_meta")
-    if not isinstance(out, TensorMeta) or dim % len(out.shape) != info.token_dim:
-        return None
-    sizes = [p.meta["tread_meta"].shape[info.token_dim] for p in parts]
+    parts, sizes = found
     for i, part in enumerate(parts):
         if part is image or nx.has_path(g, image, part):
             last = i == len(parts) - 1 and sizes[i] == info.num_tokens

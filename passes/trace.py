@@ -39,6 +39,7 @@ from torch.fx.proxy import Attribute
 from torch.utils import _pytree as pytree
 
 from tread_fx.adapters.values import TensorMeta
+from tread_fx.passes.concats import record_leaf_concatenation
 from tread_fx.passes.trace_mutation import (
     defining_modules,
     drop_unused_sizes,
@@ -249,6 +250,7 @@ class ValueTracer(fx.Tracer):
     ) -> None:
         leaves = (*leaf_functions(), *functions)
         super().__init__(autowrap_functions=leaves, param_shapes_constant=False)
+        self.leaf_function_ids = {id(f) for f in leaves}
         self.leaf_paths = leaf_paths
         # modules holding the blocks (an ``nn.TransformerEncoder``'s layers): traced through
         self.holders = {p.rsplit(".", k)[0] for p in leaf_paths for k in range(1, p.count("."))}
@@ -351,6 +353,8 @@ class ValueTracer(fx.Tracer):
             self._keep_example_inputs(node, target, args, kwargs)
         self.values[node] = value
         node.meta["tread_meta"] = _meta_of(value)
+        if kind == "call_function" and id(target) in self.leaf_function_ids:
+            record_leaf_concatenation(node, value, self.values)  # pack([x, registers])
         if self._is_tainted(kind, target, node, value):
             self.tainted.add(node)
         return proxy

@@ -12,7 +12,9 @@ all (``trace_restoring_state`` does).
 - :func:`traced_values_are_tensors` (through ``thread_local_patch``: only the tracing thread
   sees it): ``torch.is_tensor(v)`` and ``isinstance(v, torch.Tensor)``
   in the model's own code hold for a traced value that stands for a tensor, so a time
-  embedding takes the branch it takes eagerly.
+  embedding takes the branch it takes eagerly; ``callable(v)`` answers by the value too
+  (a proxy has ``__call__``, a tensor has not: ``default(context, x)`` helpers that call a
+  callable default would call the tensor).
 
 Example:
     >>> import torch
@@ -49,6 +51,7 @@ __all__ = [
 ]
 
 _builtin_isinstance = builtins.isinstance
+_builtin_callable = builtins.callable
 
 
 @contextlib.contextmanager
@@ -120,13 +123,15 @@ def _is_model_frame(depth: int) -> bool:
 
 @contextlib.contextmanager
 def traced_values_are_tensors(tracer: Any, model: nn.Module) -> Iterator[None]:
-    """Make ``torch.is_tensor`` and ``isinstance(v, torch.Tensor)`` true for traced tensors.
+    """Make ``torch.is_tensor`` and ``isinstance(v, torch.Tensor)`` true for traced tensors,
+    and ``callable(v)`` answer as for the value a traced value stands for.
 
     A proxy is no ``torch.Tensor``, so model code such as
     ``if not torch.is_tensor(t): t = torch.tensor([t])`` would take the branch it never takes
     eagerly. While tracing, ``torch.is_tensor`` (and the name imported from torch) answers by
     the value a proxy stands for when called from outside torch, and the model's Python modules
-    see an ``isinstance`` that does the same for tensors (other checks are unchanged).
+    see an ``isinstance`` that does the same for tensors (other checks are unchanged), and a
+    ``callable`` that answers by the value for every traced value.
     """
 
     def stands_for_tensor(obj: Any) -> bool:
@@ -148,6 +153,11 @@ def traced_values_are_tensors(tracer: Any, model: nn.Module) -> Iterator[None]:
             return _builtin_isinstance(tracer.value_of(obj), classinfo)
         return False
 
+    def traced_callable(obj: Any) -> bool:
+        if _builtin_isinstance(obj, fx.Proxy) and obj.tracer is tracer:
+            return _builtin_callable(tracer.value_of(obj))
+        return _builtin_callable(obj)
+
     namespaces = {
         id(ns): ns
         for ns in module_namespaces(model)
@@ -155,10 +165,13 @@ def traced_values_are_tensors(tracer: Any, model: nn.Module) -> Iterator[None]:
     }.values()
     imported = [(ns, k) for ns in namespaces for k, v in ns.items() if v is original_is_tensor]
     shadowed = [ns for ns in namespaces if "isinstance" not in ns]
+    uncalled = [ns for ns in namespaces if "callable" not in ns]
     with contextlib.ExitStack() as patches:  # seen by the tracing thread only
         patches.enter_context(thread_local_patch(torch, "is_tensor", lambda _: is_tensor))
         for ns, key in imported:  # `from torch import is_tensor`
             patches.enter_context(thread_local_patch(ns, key, lambda _: is_tensor))
         for ns in shadowed:
             patches.enter_context(thread_local_patch(ns, "isinstance", lambda _: traced_isinstance))
+        for ns in uncalled:
+            patches.enter_context(thread_local_patch(ns, "callable", lambda _: traced_callable))
         yield

@@ -23,8 +23,10 @@ the uses it meets decide what it is (first match in this order):
 An int argument is a count only if it sizes, slices or splits a token dim of a tensor
 computed from the stream (``view``/``reshape``/``unflatten`` of its token dim,
 ``x[:, -n:]``, ``split``, ``narrow``); any other int (a head dim equal to the token count
-by coincidence) is never rewritten. A block that cannot be traced through has no uses
-(``None``).
+by coincidence) is never rewritten (:mod:`tread_fx.passes.count_slots`). A block that cannot
+be traced through has no uses (``None``). Module calls inside a routed block that are no block
+of the stack (the attention of a ``[norm, attention, residual]`` member) are decided the same
+way (:func:`call_uses`, :mod:`tread_fx.passes.inner_uses`).
 
 Names play no part here (nor anywhere a side value is decided); the plan shows them as hints.
 
@@ -35,7 +37,6 @@ Example:
 
 from __future__ import annotations
 
-import math
 from enum import Enum
 from typing import Any
 
@@ -43,14 +44,15 @@ import torch.fx as fx
 from torch import nn
 
 from tread_fx.adapters.values import SideValue, TensorMeta
+from tread_fx.passes.count_slots import count_slots, tagged_example
 from tread_fx.passes.inline_tables import _example_of, _is_tensorish, trace_through
 from tread_fx.passes.locate import BlockCall, input_slots
-from tread_fx.passes.stacks import argument_items
 
 __all__ = [
     "Use",
     "BlockUses",
     "block_uses",
+    "call_uses",
     "route_uses",
     "reached_ops",
     "value_uses",
@@ -73,47 +75,6 @@ class Use(str, Enum):
 _ORDER = (Use.MASK, Use.IDS, Use.TABLE, Use.CONTEXT, Use.UNKNOWN)
 
 
-class _Tagged(int):
-    """An int that remembers which argument slot it came from, through +, -, *, //."""
-
-    slot: tuple
-
-    def __new__(cls, value: int, slot: tuple) -> _Tagged:
-        tagged = super().__new__(cls, value)
-        tagged.slot = slot
-        return tagged
-
-    def _keep(self, value: Any) -> Any:
-        return _Tagged(value, self.slot) if type(value) is int else value
-
-    def __add__(self, o):  # noqa: D105
-        return self._keep(int(self) + o)
-
-    def __radd__(self, o):  # noqa: D105
-        return self._keep(o + int(self))
-
-    def __sub__(self, o):  # noqa: D105
-        return self._keep(int(self) - o)
-
-    def __rsub__(self, o):  # noqa: D105
-        return self._keep(o - int(self))
-
-    def __mul__(self, o):  # noqa: D105
-        return self._keep(int(self) * o)
-
-    def __rmul__(self, o):  # noqa: D105
-        return self._keep(o * int(self))
-
-    def __floordiv__(self, o):  # noqa: D105
-        return self._keep(int(self) // o)
-
-    def __neg__(self):  # noqa: D105
-        return _Tagged(-int(self), self.slot)
-
-    def __reduce__(self):  # noqa: D105
-        return int, (int(self),)
-
-
 _SDPA = "scaled_dot_product_attention"
 _MATMUL = {"matmul", "bmm", "baddbmm", "einsum", "__matmul__"}
 _SCORE_PATH = {"mul", "div", "truediv", "__mul__", "__truediv__", "float", "to", "type_as",
@@ -124,8 +85,6 @@ _ELEMENTWISE = {"add", "sub", "mul", "div", "truediv", "iadd", "isub", "imul", "
                 "__radd__", "__rmul__", "__rsub__", "lerp"}  # fmt: skip
 _INDEX = {"embedding", "index_select", "take_along_dim", "gather"}
 _CAT = {"cat", "concat", "concatenate", "stack"}
-_RESHAPE = {"view", "reshape", "unflatten"}
-_SPLIT = {"split", "split_with_sizes", "narrow", "tensor_split"}
 
 
 def _name(node: fx.Node) -> str:
@@ -270,99 +229,66 @@ def _joined_lengths(graph: fx.Graph, stream: set[fx.Node], tokens: set[int]) -> 
     return tokens
 
 
-def _tags(value: Any) -> set[tuple]:
-    if isinstance(value, _Tagged):
-        return {value.slot}
-    if isinstance(value, slice):
-        return _tags(value.start) | _tags(value.stop)
-    if isinstance(value, (tuple, list)):
-        return set().union(*(_tags(v) for v in value)) if value else set()
-    return set()
-
-
-def _token_dims(shape: tuple[int, ...], tokens: set[int]) -> set[int]:
-    return {d for d, s in enumerate(shape) if s in tokens}
-
-
-def _count_slots(node: fx.Node, tokens: set[int]) -> set[tuple]:
-    """Slots of tagged ints that size, slice or split a token dim at ``node``."""
-    name, shape = _name(node), _shape(node.args[0]) if node.args else None
-    if shape is None:
-        return set()
-    found: set[tuple] = set()
-    if name in _RESHAPE:
-        found |= _reshaped(node, shape, tokens)
-    elif name == "getitem":
-        index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
-        if Ellipsis not in index and None not in index:
-            for d, item in enumerate(index):
-                if d < len(shape) and shape[d] in tokens:
-                    found |= _tags(item)
-    elif name in _SPLIT:
-        dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else 0)
-        dim = node.args[1] if name == "narrow" else dim
-        if isinstance(dim, int) and -len(shape) <= dim < len(shape) and shape[dim] in tokens:
-            found |= _tags(list(node.args[1:]) + list(node.kwargs.values()))
-    return found
-
-
-def _reshaped(node: fx.Node, shape: tuple[int, ...], tokens: set[int]) -> set[tuple]:
-    """Tagged sizes of a view/reshape that fall inside an input token dim's extent."""
-    sizes = node.args[1:]
-    if _name(node) == "unflatten":
-        dim = node.args[1]
-        dim = dim % len(shape) if isinstance(dim, int) else None
-        if dim is None or shape[dim] not in tokens:
-            return set()
-        return _tags(node.args[2:])
-    if len(sizes) == 1 and isinstance(sizes[0], (tuple, list)):
-        sizes = sizes[0]
-    out = _shape(node)
-    if out is None or len(out) != len(sizes):
-        return set()
-    bounds = [math.prod(shape[:d]) for d in range(len(shape) + 1)]
-    token_spans = [(bounds[d], bounds[d + 1]) for d in _token_dims(shape, tokens)]
-    found: set[tuple] = set()
-    for d, size in enumerate(sizes):
-        low, high = math.prod(out[:d]), math.prod(out[: d + 1])
-        if any(lo <= low and high <= hi for lo, hi in token_spans) and _tags(size):
-            found |= _tags(size)
-    return found
-
-
-def _tagged_example(example: Any, node: fx.Node) -> Any:
-    args, kwargs = example
-    args, kwargs = list(args), dict(kwargs)
-    for slot, _ in argument_items(node):
-        kind, key = slot
-        holder = args if kind == "arg" else kwargs
-        if (key < len(holder) if kind == "arg" else key in holder) and type(holder[key]) is int:
-            holder[key] = _Tagged(holder[key], slot)
-    return tuple(args), kwargs
-
-
-def _class_uses(gm, block: BlockCall, example: Any, leaves, tokens, token_dim):
-    """(use per flat tensor position, count slots) of one block class, or ``None``."""
-    module = gm.get_submodule(block.node.target)
-    traced = trace_through(module, _tagged_example(example, block.node), inlined=False)
+def _class_uses(gm, node: fx.Node, stream_at, example: Any, leaves, tokens, token_dim):
+    """(use per flat tensor position, count slots, first ops) of one module class called at
+    ``node``, whose flat tensor inputs at ``stream_at`` carry the stream, or ``None``."""
+    module = gm.get_submodule(node.target)
+    traced = trace_through(module, tagged_example(example, node), inlined=False)
     if traced is None:
         return None
     placeholders = [n for n in traced.gm.graph.nodes if n.op == "placeholder"]
-    stream_at = next((i for i, (n, _) in enumerate(leaves) if n is _stream_of(block)), None)
-    if stream_at is None or len(placeholders) != len(leaves):
+    if not stream_at or len(placeholders) != len(leaves):
         return None
-    stream = _forward(placeholders[stream_at])
-    own = _shape(placeholders[stream_at])
-    tokens = tokens | ({own[token_dim]} if own and token_dim < len(own) else set())
+    stream = set().union(*(_forward(placeholders[i]) for i in stream_at))
+    for i in stream_at:  # the call's own stream length counts too
+        own = _shape(placeholders[i])
+        tokens = tokens | ({own[token_dim]} if own and token_dim < len(own) else set())
     tokens = _joined_lengths(traced.gm.graph, stream, tokens)
     ctx = (tokens, traced.gm)
     uses = [
-        Use.TABLE if i == stream_at else _classify_tensor(ph, stream, ctx)
+        Use.TABLE if i in stream_at else _classify_tensor(ph, stream, ctx)
         for i, ph in enumerate(placeholders)
     ]
-    counts = set().union(*(_count_slots(n, tokens) for n in stream if n.op != "placeholder"))
+    counts = set().union(*(count_slots(n, tokens) for n in stream if n.op != "placeholder"))
     ops = [frozenset(_op_name(u) for u in ph.users) for ph in placeholders]
     return uses, counts, ops
+
+
+def call_uses(
+    gm: fx.GraphModule, node: fx.Node, stream: set[fx.Node], tokens: set[int], token_dim: int
+) -> BlockUses | None:
+    """The uses one module call makes of its inputs, the inputs in ``stream`` carrying the
+    token stream: the call's class traced through once per signature (cached on the graph).
+
+    Args:
+        gm: The model's traced graph (module calls still single nodes with example inputs).
+        node: A ``call_module`` node.
+        stream: Nodes holding the token stream (or values computed from it) at this call.
+        tokens: Token counts of the routed stream.
+        token_dim: The stream's token dim.
+
+    Returns:
+        The call's :class:`BlockUses`, or ``None`` when it cannot be traced through or no
+        input carries the stream.
+
+    Example:
+        >>> # see block_uses and tread_fx.passes.inner_uses
+    """
+    by_class = gm.graph.__dict__.setdefault("_tread_uses", {})
+    kept = _example_of(gm, node)
+    if kept is None:
+        return None
+    example, leaves = kept
+    stream_at = frozenset(i for i, (n, _) in enumerate(leaves) if n in stream)
+    module = gm.get_submodule(node.target)
+    key = (type(module), id(example), frozenset(tokens), token_dim, stream_at)
+    if key not in by_class:
+        by_class[key] = _class_uses(gm, node, stream_at, example, leaves, tokens, token_dim)
+    known = by_class[key]
+    if known is None:
+        return None
+    uses, counts, ops = known
+    return BlockUses(dict(zip(leaves, uses)), counts, dict(zip(leaves, ops)))
 
 
 def block_uses(
@@ -383,24 +309,10 @@ def block_uses(
     Example:
         >>> # see tests/test_side_uses.py
     """
-    by_class = gm.graph.__dict__.setdefault("_tread_uses", {})
-    found: dict[fx.Node, BlockUses | None] = {}
-    for block in blocks:
-        kept = _example_of(gm, block.node)
-        if kept is None:
-            found[block.node] = None
-            continue
-        example, leaves = kept
-        key = (type(gm.get_submodule(block.node.target)), id(example), frozenset(tokens), token_dim)
-        if key not in by_class:
-            by_class[key] = _class_uses(gm, block, example, leaves, tokens, token_dim)
-        known = by_class[key]
-        if known is not None:
-            uses, counts, ops = known
-            found[block.node] = BlockUses(dict(zip(leaves, uses)), counts, dict(zip(leaves, ops)))
-        else:
-            found[block.node] = None
-    return found
+    return {
+        block.node: call_uses(gm, block.node, {_stream_of(block)}, tokens, token_dim)
+        for block in blocks
+    }
 
 
 def _stream_of(block: BlockCall) -> fx.Node:

@@ -49,6 +49,8 @@ def test_the_population_spans_enough_sources():
     [
         ("torchvision", "VisionTransformer", "routes", ""),
         ("x-transformers", "ContinuousTransformerWrapper(Encoder)", "routes", ""),
+        ("x-transformers", "ContinuousTransformerWrapper(Encoder, rotary)", "routes", ""),
+        ("vit-pytorch", "SimpleViT (4 registers)", "routes", ""),
         ("denoising-diffusion-pytorch", "Unet", "refused", "no token sequence flows through"),
         ("perceiver-pytorch", "Perceiver", "refused", "not computed from the input's tokens"),
     ],
