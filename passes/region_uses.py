@@ -26,23 +26,17 @@ import torch.fx as fx
 
 from tread_fx.passes.inline_tables import _is_tensorish
 from tread_fx.passes.trace import TensorMeta
-from tread_fx.passes.uses import _ELEMENTWISE, _ORDER, Use, _name, _tensor_use, value_uses
+from tread_fx.passes.uses import (
+    _ELEMENTWISE,
+    _ORDER,
+    Use,
+    _forward,
+    _name,
+    _tensor_use,
+    value_uses,
+)
 
 __all__ = ["side_use", "between_use", "strongest", "batch_broadcast"]
-
-
-def _forward(start: fx.Node, within: set[fx.Node]) -> set[fx.Node]:
-    """``start`` and the region tensors computed from its data (a size read is no data)."""
-    seen, todo = set(), [start]
-    while todo:
-        node = todo.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        todo.extend(
-            u for u in node.users if u in within and _is_tensorish(u.meta.get("tread_meta"))
-        )
-    return seen
 
 
 def side_use(

@@ -124,14 +124,19 @@ class BlockUses:
         self.ops = ops
 
 
-def _forward(start: fx.Node) -> set[fx.Node]:
-    """``start`` and the tensors computed from its data (a size read from it is no data)."""
+def _forward(start: fx.Node, within: set[fx.Node] | None = None) -> set[fx.Node]:
+    """``start`` and the tensors computed from its data (a size read from it is no data),
+    only among the nodes ``within`` if given."""
     seen, todo = set(), [start]
     while todo:
         node = todo.pop()
         if node not in seen:
             seen.add(node)
-            todo.extend(u for u in node.users if _is_tensorish(u.meta.get("tread_meta")))
+            todo.extend(
+                u
+                for u in node.users
+                if (within is None or u in within) and _is_tensorish(u.meta.get("tread_meta"))
+            )
     return seen
 
 
