@@ -13,51 +13,28 @@ import signal
 import pytest
 import torch
 from rotary_parts import EinopsRotary, ItemReadingScale
+from test_module_arguments import B, Block, D, N, RotaryDiT
 from third_party_checks import INVARIANTS, Case
-from torch import nn
 
 import tread_fx
 from tread_fx.errors import UntraceableModelError
 from tread_fx.passes.trace import trace_call
 
-B, N, D = 2, 16, 48
 
+class EinopsRotaryDiT(RotaryDiT):
+    """The module-argument test model with a rotary module whose code lives in another file
+    (``rotary_parts``) and calls einops."""
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(D)
-        self.qkv = nn.Linear(D, 3 * D)
-        self.out = nn.Linear(D, D)
-        self.mlp = nn.Sequential(nn.Linear(D, 2 * D), nn.GELU(), nn.Linear(2 * D, D))
-
-    def forward(self, x: torch.Tensor, rope: nn.Module) -> torch.Tensor:
-        q, k, v = self.qkv(self.norm(x)).chunk(3, dim=-1)
-        h = nn.functional.scaled_dot_product_attention(rope(q), rope(k), v)
-        x = x + self.out(h)
-        return x + self.mlp(x)
-
-
-class RotaryDiT(nn.Module):
     def __init__(self, depth: int = 4) -> None:
-        super().__init__()
-        self.embed = nn.Linear(3, D)
+        super().__init__(depth)
         self.rope = EinopsRotary(N, D)
-        self.blocks = nn.ModuleList(Block() for _ in range(depth))
-        self.head = nn.Linear(D, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.embed(x)
-        for block in self.blocks:
-            x = block(x, self.rope)
-        return self.head(x)
 
 
 def _inputs():
     return (torch.randn(B, N, 3, generator=torch.Generator().manual_seed(21)),), {}
 
 
-CASE = Case("einops-rotary-argument", RotaryDiT, _inputs, routes=[(1, 3)])
+CASE = Case("einops-rotary-argument", EinopsRotaryDiT, _inputs, routes=[(1, 3)])
 
 
 class _RanTooLong(BaseException):
@@ -100,7 +77,7 @@ def test_no_progress_past_an_argument_module_is_a_refusal():
 
 def test_routes():
     with _ends_within(120):
-        model = tread_fx.route(RotaryDiT(), routes=CASE.routes, rate=0.5, seed=0)
+        model = tread_fx.route(EinopsRotaryDiT(), routes=CASE.routes, rate=0.5, seed=0)
         model.train()(*_inputs()[0])
     assert tread_fx.route_info(model)[0].kept.shape[1] == N // 2
 
