@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from third_party_checks import INVARIANTS, Case, check_compiled
+from third_party_checks import INVARIANTS, Case, check_compiled, gather_rows, scatter_rows
 from torch import nn
 
 import tread_fx
@@ -106,12 +106,7 @@ def test_invariants(case, check):
 
 
 def _gather(x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    x = x.expand(ids.shape[0], N, D)
-    return x.gather(1, ids[..., None].expand(-1, -1, D))
-
-
-def _scatter(full: torch.Tensor, ids: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
-    return full.scatter(1, ids[..., None].expand(-1, -1, D), part)
+    return gather_rows(x.expand(ids.shape[0], N, D), ids)
 
 
 def _by_hand(model: EncoderDecoder, x, t, route: tuple[int, int], ids: torch.Tensor):
@@ -130,13 +125,13 @@ def _by_hand(model: EncoderDecoder, x, t, route: tuple[int, int], ids: torch.Ten
         if i == start:
             at_start, x = x, _gather(x, ids)
         if i == end:
-            x = _scatter(at_start, ids, x)
+            x = scatter_rows(at_start, ids, x)
         args = (x, c) if i < len(model.encoder) else (x, c, skip)
         if start <= i < end and i >= len(model.encoder):
             args = (x, c, _gather(skip, ids))
         x = block(*args)
     if end == len(blocks):
-        x = _scatter(at_start, ids, x)
+        x = scatter_rows(at_start, ids, x)
     return model.head(x)
 
 

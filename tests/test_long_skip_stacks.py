@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from third_party_checks import INVARIANTS, Case
+from third_party_checks import INVARIANTS, Case, gather_rows, scatter_rows
 from torch import nn
 
 import tread_fx
@@ -103,14 +103,6 @@ def test_invariants(case, check):
     check(case)
 
 
-def _gather(x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    return x.gather(1, ids[..., None].expand(-1, -1, x.shape[-1]))
-
-
-def _scatter(full: torch.Tensor, ids: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
-    return full.scatter(1, ids[..., None].expand(-1, -1, full.shape[-1]), part)
-
-
 @pytest.mark.parametrize("skip", ["cat", "add"])
 def test_skips_follow_tread_semantics(skip):
     """Route (1, 4) by hand: a skip made inside the route and used after its end is the kept
@@ -127,12 +119,12 @@ def test_skips_follow_tread_semantics(skip):
         h = torch.cat([model.t_embed(t[:, None, None]), model.embed(x)], dim=1)
         s0 = model.in_blocks[0](h)
         start = s0
-        k = _gather(start, ids)
+        k = gather_rows(start, ids)
         s1 = model.in_blocks[1](k)
         s2 = model.in_blocks[2](s1)
         k = model.out_blocks[0](model.mid_block(s2), s2)
-        h = _scatter(start, ids, k)
-        h = model.out_blocks[1](h, _scatter(start, ids, s1))
+        h = scatter_rows(start, ids, k)
+        h = model.out_blocks[1](h, scatter_rows(start, ids, s1))
         h = model.out_blocks[2](h, s0)
         expected = model.head(h[:, 1:])
     torch.testing.assert_close(routed.detach(), expected)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from third_party_checks import INVARIANTS, Case, check_compiled
+from third_party_checks import INVARIANTS, Case, check_compiled, gather_rows, scatter_rows
 from torch import nn
 
 import tread_fx
@@ -107,14 +107,6 @@ def test_invariants(case, check):
     check(case)
 
 
-def _gather(x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    return x.gather(1, ids[..., None].expand(-1, -1, x.shape[-1]))
-
-
-def _scatter(full: torch.Tensor, ids: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
-    return full.scatter(1, ids[..., None].expand(-1, -1, full.shape[-1]), part)
-
-
 def _by_hand(model: SkipTriples, x: torch.Tensor, route: tuple, ids: torch.Tensor):
     """TREAD by hand: the stream is gathered at the start and scattered into its value there
     at the end; a skip is used at the tokens its layer runs on (a skip made before the route
@@ -126,23 +118,23 @@ def _by_hand(model: SkipTriples, x: torch.Tensor, route: tuple, ids: torch.Tenso
     skips, at_start = [], None
     for i, (skip_proj, attn, ff) in enumerate(model.layers):
         if i == start:
-            at_start, x = x, _gather(x, ids)
+            at_start, x = x, gather_rows(x, ids)
         if i == end:
-            x = _scatter(at_start, ids, x)
+            x = scatter_rows(at_start, ids, x)
         inside = start <= i < end
         if i + 1 <= model.depth / 2:
             skips.append((x, inside))
         if skip_proj is not None:
             skip, kept = skips.pop()
             if inside and not kept:
-                skip = _gather(skip, ids)
+                skip = gather_rows(skip, ids)
             elif kept and not inside:
-                skip = _scatter(at_start, ids, skip)
+                skip = scatter_rows(at_start, ids, skip)
             x = skip_proj(torch.cat((skip, x), dim=-1))
         x = attn(x) + x
         x = ff(x) + x
     if end == model.depth:
-        x = _scatter(at_start, ids, x)
+        x = scatter_rows(at_start, ids, x)
     return model.head(x[:, :N])
 
 

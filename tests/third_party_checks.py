@@ -27,6 +27,8 @@ __all__ = [
     "check_gradients",
     "check_compiled",
     "capture_block_inputs",
+    "gather_rows",
+    "scatter_rows",
     "INVARIANTS",
 ]
 
@@ -164,3 +166,13 @@ INVARIANTS = [
     check_gradients,
 ]
 """The DESIGN §5 invariant checks, for ``@pytest.mark.parametrize("check", INVARIANTS)``."""
+
+
+def gather_rows(x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Hand-written TREAD references: the tokens ``ids`` [B, k] of ``x`` [B, N, D]."""
+    return x.gather(1, ids[..., None].expand(-1, -1, x.shape[-1]))
+
+
+def scatter_rows(full: torch.Tensor, ids: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
+    """Hand-written TREAD references: ``part`` written back into ``full`` at ``ids``."""
+    return full.scatter(1, ids[..., None].expand(-1, -1, full.shape[-1]), part)
