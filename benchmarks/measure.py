@@ -38,6 +38,8 @@ __all__ = [
     "paired_ratio",
     "build_setup",
     "time_interleaved",
+    "round_order",
+    "balanced_orders",
     "count_flops",
     "time_optimizer_step",
     "saved_activation_bytes",
@@ -191,8 +193,11 @@ def time_interleaved(
 ) -> tuple[dict[str, dict[str, list[float]]], dict[str, float]]:
     """Time each step ``repeats`` times, interleaved, after ``warmup`` untimed rounds.
 
-    Round ``r`` runs every step once, in an order rotated by ``r`` so that no variant always
-    follows the same one. Stops early (after at least 3 rounds) once ``deadline``
+    Round ``r`` runs every step once, in the order :func:`round_order` gives: steps named
+    ``group/variant`` run group by group, and over a full cycle of rounds every variant
+    follows every other one of its group equally often (a rotated order would have each step
+    follow the same one every round, and a step after the heavy unrouted one pays for it in
+    caches and allocator state). Stops early (after at least 3 rounds) once ``deadline``
     (``time.monotonic()``) has passed. Two clocks are read around every step: ``wall``
     (``time.perf_counter``) and ``cpu`` (``time.process_time``: CPU seconds of this process,
     all its threads; on a shared machine it leaves out the time the process waited for a core).
@@ -210,8 +215,7 @@ def time_interleaved(
             log(f"  warm-up {w + 1}/{warmup} {name}: {wall:.3f} s")
     times: dict[str, dict[str, list[float]]] = {c: {n: [] for n in names} for c in CLOCKS}
     for r in range(repeats):
-        shift = r % len(names)
-        for name in names[shift:] + names[:shift]:
+        for name in round_order(names, r):
             for clock, value in zip(CLOCKS, _timed(steps[name], device)):
                 times[clock][name].append(value)
         row = ", ".join(f"{n} {times['wall'][n][-1]:.3f}/{times['cpu'][n][-1]:.3f}" for n in names)
@@ -220,6 +224,46 @@ def time_interleaved(
             log("  time budget reached: stopping the rounds here")
             break
     return times, first
+
+
+def balanced_orders(n: int) -> list[list[int]]:
+    """A Williams design: orders of ``range(n)`` in which every item follows every other one
+    equally often (once over ``n`` orders for even ``n``, twice over ``2n`` for odd ``n``).
+
+    Example:
+        >>> balanced_orders(3)
+        [[0, 1, 2], [1, 2, 0], [2, 0, 1], [2, 1, 0], [0, 2, 1], [1, 0, 2]]
+    """
+    base = [0]
+    for i in range(1, n):  # 0, 1, n-1, 2, n-2, ...
+        base.append((i + 1) // 2 if i % 2 else n - i // 2)
+    rows = [[(b + r) % n for b in base] for r in range(n)]
+    return rows if n % 2 == 0 else rows + [row[::-1] for row in rows]
+
+
+def round_order(names: list[str], r: int) -> list[str]:
+    """The order of round ``r``: groups (the part of a name before ``/``) one after the other,
+    each group's steps in a :func:`balanced_orders` order; the groups' order is balanced too,
+    changing once every full cycle of the orders within a group.
+
+    Example:
+        >>> names = ["eager/a", "eager/b", "compiled/a", "compiled/b"]
+        >>> [round_order(names, r) for r in (0, 1, 2)]  # doctest: +NORMALIZE_WHITESPACE
+        [['eager/a', 'eager/b', 'compiled/a', 'compiled/b'],
+         ['eager/b', 'eager/a', 'compiled/b', 'compiled/a'],
+         ['compiled/a', 'compiled/b', 'eager/a', 'eager/b']]
+    """
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        groups.setdefault(name.split("/")[0] if "/" in name else "", []).append(name)
+    members = list(groups.values())
+    inner = max(len(balanced_orders(len(m))) for m in members)
+    outer = balanced_orders(len(members))
+    order = []
+    for g in outer[(r // inner) % len(outer)]:
+        rows = balanced_orders(len(members[g]))
+        order += [members[g][i] for i in rows[r % len(rows)]]
+    return order
 
 
 def _timed(step: Callable[[], None], device: torch.device) -> tuple[float, float]:
@@ -314,7 +358,9 @@ def first_call_overhead(
     Returns:
         Per clock (``wall``, ``cpu``): ``plain_s``, ``first_routed_s``, ``second_routed_s``,
         ``overhead_s`` (first routed minus plain: what the user waits for beyond an ordinary
-        forward) and ``pipeline_s`` (first minus second routed call: trace and rewrite).
+        forward) and ``pipeline_s`` (first minus second routed call: trace and rewrite); and
+        ``stages``: the wall seconds of each pipeline stage of the first call (tracing,
+        locating, planning, rewriting).
     """
     x, t, y, _ = inputs
     model = spec.build().to(device)
@@ -337,4 +383,5 @@ def first_call_overhead(
             "overhead_s": first[i] - plain,
             "pipeline_s": first[i] - second[i],
         }
+    out["stages"] = dict(tread_fx.routed_graphs(model)[0].stage_seconds)
     return out

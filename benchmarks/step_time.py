@@ -38,10 +38,10 @@ __all__ = ["PRESETS", "parse_args", "run", "run_model", "main"]
 
 PRESETS: dict[str, dict[str, Any]] = {
     "cpu": dict(models="dit-s2,dit-b2,mamba,mamba-rows,rwkv,rwkv-random", modes="eager,compiled",
-                repeats=10, warmup=2, device="cpu", dtype="fp32", first_call="dit-xl2",
+                repeats=12, warmup=2, device="cpu", dtype="fp32", first_call="dit-xl2",
                 first_call_batch=1, model_budget=1200.0, out="docs/results/cpu_step_time",
                 threads=1, clock="cpu"),
-    "gpu": dict(models="dit-xl2", modes="eager,compiled", repeats=10, warmup=3, batch=64,
+    "gpu": dict(models="dit-xl2", modes="eager,compiled", repeats=12, warmup=3, batch=64,
                 device="cuda", dtype="bf16", first_call="dit-xl2", first_call_batch=64,
                 model_budget=300.0, out="docs/results/gpu_step_time", threads=0, clock="wall"),
 }  # fmt: skip
@@ -233,8 +233,10 @@ def _method_notes(device: torch.device) -> list[str]:
     return [
         "step = zero_grad, forward, MSE loss on every output token, backward, AdamW step; the "
         "three variants of a model share one model and one optimizer per mode",
-        "interleaved: every round runs each variant once, order rotated per round; times are "
-        "medians over rounds; speed-ups and route()/hand are medians of per-round ratios",
+        "interleaved: every round runs each variant once, mode by mode, in a balanced order "
+        "(Williams design: over 6 rounds each variant follows each other variant of its mode "
+        "twice; the modes swap places every 6 rounds); times are medians over rounds; "
+        "speed-ups and route()/hand are medians of per-round ratios",
         "FLOPs: tread_fx.inspection.flops.flop_counter (torch's FlopCounterMode plus the CPU "
         "attention kernel's formula and a groups-aware convolution backward) over one eager "
         "forward + backward (matmul, convolution, attention); FLOP-predicted speed-up = "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -135,10 +136,13 @@ def _check_results(out: Path, models: list[str], modes: list[str]) -> None:
     first = data["first_call"]
     assert set(first["cpu"]) == {"plain_s", "first_routed_s", "second_routed_s", "overhead_s",
                                  "pipeline_s"}  # fmt: skip
+    assert set(first["stages"]) == {"tracing", "locating", "planning", "rewriting"}
+    assert sum(first["stages"].values()) <= first["wall"]["first_routed_s"]
     assert all(t["met"] in (True, False, None) for t in data["targets"])
     md = out.with_suffix(".md").read_text()
     assert "| model | mode | batch | unrouted s/step |" in md
     assert "First routed call" in md and "Targets:" in md and "Method:" in md
+    assert "| tracing |" in md
     for entry in data["models"]:
         assert entry["label"] in md
 
@@ -188,6 +192,9 @@ def test_entry_point_compiled_mode_on_a_tiny_dit(tmp_path):
     data = json.loads(out.with_suffix(".json").read_text())
     assert list(data["models"][0]["modes"]) == ["eager", "compiled"]
     assert data["first_call"] is None
+    checked = {(t["target"], t["where"]) for t in data["targets"]}
+    assert ("efficiency >= 0.97", "DiT-S/2 compiled") in checked
+    assert ("efficiency >= 0.95", "DiT-S/2 eager") in checked
 
 
 def test_scatter_re_enters_contiguous_unless_every_token_is_written_back():
@@ -230,3 +237,23 @@ def test_profile_step_shows_route_and_handwritten_run_the_same_aten_ops():
     assert abs(calls[0] - calls[1]) <= 0.01 * calls[1]
     table = profile_step.op_table(profiles, top=3)
     assert "| all aten ops |" in table and "| outside aten ops |" in table
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6])
+def test_balanced_orders_have_every_variant_follow_every_other_equally_often(n):
+    rows = measure.balanced_orders(n)
+    assert all(sorted(row) == list(range(n)) for row in rows)
+    follows = Counter((row[i], row[i + 1]) for row in rows for i in range(n - 1))
+    assert len(follows) == n * (n - 1) and len(set(follows.values())) <= 1
+
+
+def test_round_order_runs_modes_as_blocks_and_no_step_always_follows_the_same_one():
+    names = [f"{mode}/{v}" for mode in ("eager", "compiled") for v in ("U", "R", "H")]
+    rounds = [measure.round_order(names, r) for r in range(12)]
+    assert all(sorted(order) == sorted(names) for order in rounds)
+    for order in rounds:  # one mode's steps together
+        assert len({n.split("/")[0] for n in order[:3]}) == 1
+    before = Counter((a, b) for order in rounds for a, b in zip(order, order[1:]) if
+                     a.split("/")[0] == b.split("/")[0])  # fmt: skip
+    assert set(before.values()) == {4} and len(before) == 12
+    assert {order[0].split("/")[0] for order in rounds} == {"eager", "compiled"}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import operator
+import time
 
 import pytest
 import torch
@@ -110,3 +111,19 @@ def test_the_models_own_assertion_is_not_called_internal():
     with pytest.raises(Exception) as caught:  # noqa: PT011 - the point is what it is not
         model.train()(torch.randn(B, N, 4))
     assert not isinstance(caught.value, TreadFxInternalError)
+
+
+def test_each_stage_of_a_build_is_timed_and_a_slow_stage_shows(monkeypatch):
+    real_plan = pipeline.plan_route
+
+    def slow_plan(*args, **kwargs):
+        time.sleep(0.2)
+        return real_plan(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "plan_route", slow_plan)
+    model = tread_fx.route(Tiny(), [(1, 3)], 0.5)
+    model.train()(torch.randn(B, N, 4))
+    seconds = tread_fx.routed_graphs(model)[0].stage_seconds
+    assert set(seconds) == {"tracing", "locating", "planning", "rewriting"}
+    assert all(s >= 0 for s in seconds.values())
+    assert seconds["planning"] >= 0.2 and max(seconds, key=seconds.get) == "planning"

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
@@ -52,7 +52,7 @@ from tread_fx.passes.token_major import GRID_ROWS, is_token_major
 from tread_fx.passes.trace import TracedCall, trace_call
 from tread_fx.routes import Route
 from tread_fx.runtime.selection import get_strategy
-from tread_fx.stages import stage
+from tread_fx.stages import stage, stage_clock
 
 __all__ = ["Built", "build", "find_grid"]
 
@@ -67,6 +67,8 @@ class Built:
     plans: list[RoutePlan]
     num_model_outputs: int
     selection: str = "random"
+    #: Wall seconds of each stage (tracing, locating, planning, rewriting) of this build.
+    stage_seconds: dict[str, float] = field(default_factory=dict)
 
     @property
     def gm(self) -> fx.GraphModule:
@@ -286,8 +288,16 @@ def build(model: nn.Module, args: tuple, kwargs: dict, config: RoutingConfig) ->
 
     Returns:
         A :class:`Built` whose GraphModule takes the call's tensors followed by one noise
-        tensor per route and returns the model's flat outputs followed by the kept ids.
+        tensor per route and returns the model's flat outputs followed by the kept ids, and
+        the seconds each stage took.
     """
+    with stage_clock() as seconds:
+        built = _build(model, args, kwargs, config)
+    built.stage_seconds = dict(seconds)
+    return built
+
+
+def _build(model: nn.Module, args: tuple, kwargs: dict, config: RoutingConfig) -> Built:
     focus: dict = {"model": model}
     list_paths = config.block_lists
     if list_paths is None:
@@ -299,9 +309,9 @@ def build(model: nn.Module, args: tuple, kwargs: dict, config: RoutingConfig) ->
         info = choose_stream(traced, model, list_paths, explicit, config.keep_prefix, config.stream)
         thin = None if explicit else thin_stack(traced, model, info, list_paths, config.keep_prefix)
     if info.choice is not None and info.choice.guessed:
-        warnings.warn(info.choice.message(), StreamChoiceWarning, stacklevel=4)
+        warnings.warn(info.choice.message(), StreamChoiceWarning, stacklevel=5)
     if thin is not None:
-        warnings.warn(thin, ThinRouteWarning, stacklevel=4)
+        warnings.warn(thin, ThinRouteWarning, stacklevel=5)
     routes = config.routes_for(info.depth)
     with stage("planning", lambda: focus):  # the selection for all routes
         splits = _split_routes(traced, info, routes, args, kwargs)

@@ -8,18 +8,26 @@ model's (or a library it calls) otherwise. An exception the model's code raised 
 traced on real values is marked by the trace pass (``tread_model_error``) and stays the
 model's even though tread_fx's tracer ran the failing op.
 
+Each stage's time is added up by :func:`stage_clock` while one is open (``route()`` keeps it
+per routed graph: ``tread_fx.routed_graphs(model)[0].stage_seconds``).
+
 Example:
-    >>> from tread_fx.stages import stage
-    >>> with stage("planning", lambda: {"block": "blocks.1"}):
-    ...     pass
+    >>> from tread_fx.stages import stage, stage_clock
+    >>> with stage_clock() as seconds:
+    ...     with stage("planning", lambda: {"block": "blocks.1"}):
+    ...         pass
+    >>> list(seconds)
+    ['planning']
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import inspect
 import os
 import sysconfig
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -32,7 +40,7 @@ import tread_fx.models
 import tread_fx.passes as tread_passes
 from tread_fx.errors import TreadFxError, TreadFxInternalError
 
-__all__ = ["stage", "raised_by_tread_fx", "source_line"]
+__all__ = ["stage", "stage_clock", "raised_by_tread_fx", "source_line"]
 
 _OWN = tuple(
     os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (tread_fx, tread_passes)
@@ -42,6 +50,9 @@ _NEUTRAL = (
     os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep,
 )
 _MODELS = os.path.dirname(os.path.abspath(tread_fx.models.__file__)) + os.sep
+_CLOCK: contextvars.ContextVar[dict[str, float] | None] = contextvars.ContextVar(
+    "tread_fx_stage_clock", default=None
+)
 
 
 def _own_file(path: str) -> bool:
@@ -92,12 +103,33 @@ def stage(name: str, focus: Callable[[], dict[str, Any]]) -> Iterator[None]:
     Raises:
         TreadFxInternalError: tread_fx's own code raised (the original as ``__cause__``).
     """
+    started = time.perf_counter()
     try:
         yield
     except Exception as err:
         if not raised_by_tread_fx(err):
             raise
         raise _internal(name, focus(), err) from err
+    finally:
+        seconds = _CLOCK.get()
+        if seconds is not None:
+            seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - started
+
+
+@contextlib.contextmanager
+def stage_clock() -> Iterator[dict[str, float]]:
+    """Add up the wall seconds of every :func:`stage` run inside, by stage name.
+
+    Yields:
+        ``{stage name: seconds}``, filled as the stages finish (a stage that runs twice, once
+        per route, is summed).
+    """
+    seconds: dict[str, float] = {}
+    token = _CLOCK.set(seconds)
+    try:
+        yield seconds
+    finally:
+        _CLOCK.reset(token)
 
 
 def _internal(name: str, focus: dict[str, Any], err: BaseException) -> TreadFxInternalError:
