@@ -236,7 +236,29 @@ def test_profile_step_shows_route_and_handwritten_run_the_same_aten_ops():
     ]
     assert abs(calls[0] - calls[1]) <= 0.01 * calls[1]
     table = profile_step.op_table(profiles, top=3)
-    assert "| all aten ops |" in table and "| outside aten ops |" in table
+    assert "| all aten ops |" in table and "| outside those |" in table
+
+
+@pytest.mark.slow
+def test_compiled_route_launches_the_kernels_a_compiled_hand_edit_does():
+    """The compiled routed graph is what a hand edit compiles to: the same generated kernels
+    and the same matmul and attention calls; only the selection's few ops differ."""
+    from benchmarks import profile_step
+
+    profiles = profile_step.profile_variants(
+        "dit-s2", ["route()", "hand-written"], 1, tiny=True, mode="compiled"
+    )
+    route_ops, hand_ops = profiles["route()"], profiles["hand-written"]
+    heavy = [op for op in hand_ops if op.endswith(("mm", "attention_for_cpu", "_backward"))]
+    assert "aten::mm" in heavy and "aten::_scaled_dot_product_flash_attention_for_cpu" in heavy
+    for op in heavy:
+        assert route_ops.get(op, (0, 0))[0] == hand_ops[op][0], op
+    kernels = [
+        sum(c for op, (c, _) in ops.items() if op.startswith("cpp_fused"))
+        for ops in profiles.values()
+    ]
+    assert kernels[0] > 10 and abs(kernels[0] - kernels[1]) <= 1, kernels
+    assert "| all aten ops and kernels |" in profile_step.op_table(profiles, top=3)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6])
