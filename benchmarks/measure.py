@@ -38,6 +38,7 @@ __all__ = [
     "paired_ratio",
     "build_setup",
     "time_interleaved",
+    "attention_kernels",
     "round_order",
     "balanced_orders",
     "count_flops",
@@ -329,6 +330,28 @@ def saved_activation_bytes(
         out = forward()
     del out
     return int(sum(seen.values()))
+
+
+def attention_kernels(
+    forward: Callable[[], Tensor], autocast: Callable[[], contextlib.AbstractContextManager]
+) -> list[str]:
+    """The attention ops one forward runs (``aten::_scaled_dot_product_flash_attention`` when
+    ``F.scaled_dot_product_attention`` picks flash attention), from a profile of that forward.
+
+    Example:
+        >>> q = torch.randn(1, 2, 8, 4)
+        >>> attend = lambda: F.scaled_dot_product_attention(q, q, q)
+        >>> attention_kernels(attend, contextlib.nullcontext)
+        ['aten::_scaled_dot_product_flash_attention_for_cpu']
+    """
+    from torch.profiler import profile
+
+    with profile() as prof, autocast():
+        forward()
+    return sorted({
+        e.key for e in prof.key_averages()
+        if e.key.startswith("aten::_") and "attention" in e.key
+    })  # fmt: skip
 
 
 def cuda_step_peak_bytes(setup: Setup, step: Callable[[], None], device: torch.device) -> int:

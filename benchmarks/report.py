@@ -285,6 +285,9 @@ def to_markdown(results: dict[str, Any]) -> str:
         if e.get("note"):
             lines.append(f"- {e['label']}: route {tuple(e['route'])}, rate {e['rate']}, "
                          f"{e['tokens']} tokens -> {e['kept']} kept; {e['note']}.")  # fmt: skip
+        if e.get("attention"):
+            lines.append(f"- {e['label']}: attention runs {', '.join(e['attention'])} (route(), "
+                         "eager).")  # fmt: skip
     for skipped in results.get("skipped", []):
         lines.append(f"- skipped: {skipped}")
     lines += ["", "Method:", "", *[f"- {m}" for m in meta["method"]], ""]

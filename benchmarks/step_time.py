@@ -198,6 +198,7 @@ def run_model(
         "params": sum(p.numel() for p in model.parameters()),
         "tokens": model.grid_size[0] * model.grid_size[1], "kept": spec.kept_tokens(model),
         "flops": flops, "times_s": times, "optimizer_s": optimizer, "modes": {},
+        "attention": measure.attention_kernels(counting.variants[1].forward, autocast),
     }  # fmt: skip
     for mode in modes:
         mode_first = {v: first[f"{mode}/{v}"] for v in measure.VARIANTS if f"{mode}/{v}" in first}

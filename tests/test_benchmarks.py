@@ -143,6 +143,8 @@ def _check_results(out: Path, models: list[str], modes: list[str]) -> None:
     assert "| model | mode | batch | unrouted s/step |" in md
     assert "First routed call" in md and "Targets:" in md and "Method:" in md
     assert "| tracing |" in md
+    for entry in data["models"]:  # the DiT's attention kernel is named; the SSMs have none
+        assert bool(entry["attention"]) == entry["model"].startswith("dit")
     for entry in data["models"]:
         assert entry["label"] in md
 
