@@ -281,3 +281,22 @@ def test_round_order_runs_modes_as_blocks_and_no_step_always_follows_the_same_on
                      a.split("/")[0] == b.split("/")[0])  # fmt: skip
     assert set(before.values()) == {4} and len(before) == 12
     assert {order[0].split("/")[0] for order in rounds} == {"eager", "compiled"}
+
+
+def test_median_interval_narrows_with_more_rounds_and_is_reproducible():
+    noisy = [1.0 + 0.1 * ((7 * i) % 11 - 5) / 5 for i in range(12)]
+    lo, hi = measure.median_interval(noisy)
+    assert lo <= measure.median(noisy) <= hi and hi - lo > 0.02
+    assert measure.median_interval(noisy) == [lo, hi]
+    lo4, hi4 = measure.median_interval(noisy * 4)
+    assert hi4 - lo4 < hi - lo
+
+
+def test_a_target_inside_the_noise_says_so():
+    checked = report._check("x <= 1.02", "here", 1.03, 1.02, upper=True, ci=[0.99, 1.06])
+    assert checked["met"] is False and checked["resolved"] is False
+    clear = report._check("x <= 1.02", "here", 0.97, 1.02, upper=True, ci=[0.95, 0.99])
+    assert clear["met"] is True and clear["resolved"] is True
+    lines = report._target_lines([checked, clear])
+    assert "**no** (within noise)" in lines[2] and "0.990-1.060" in lines[2]
+    assert lines[3].endswith("| yes |")
