@@ -195,8 +195,8 @@ def test_entry_point_compiled_mode_on_a_tiny_dit(tmp_path):
     assert list(data["models"][0]["modes"]) == ["eager", "compiled"]
     assert data["first_call"] is None
     checked = {(t["target"], t["where"]) for t in data["targets"]}
-    assert ("efficiency >= 0.97", "DiT-S/2 compiled") in checked
-    assert ("efficiency >= 0.95", "DiT-S/2 eager") in checked
+    assert ("efficiency >= 0.97", "DiT-S/2 (tiny) compiled") in checked
+    assert ("efficiency >= 0.95", "DiT-S/2 (tiny) eager") in checked
 
 
 def test_scatter_re_enters_contiguous_unless_every_token_is_written_back():
