@@ -219,11 +219,12 @@ def time_interleaved(
     Round ``r`` runs every step once, in the order :func:`round_order` gives: steps named
     ``group/variant`` run group by group, and over a full cycle of rounds every variant
     follows every other one of its group equally often (a rotated order would have each step
-    follow the same one every round, and a step after the heavy unrouted one pays for it in
-    caches and allocator state). Stops early (after at least 3 rounds) once ``deadline``
-    (``time.monotonic()``) has passed. Two clocks are read around every step: ``wall``
-    (``time.perf_counter``) and ``cpu`` (``time.process_time``: CPU seconds of this process,
-    all its threads; on a shared machine it leaves out the time the process waited for a core).
+    follow the same one every round, so whatever one step leaves behind in caches and the
+    allocator would weigh on the same neighbour every time). Stops early (after at least 3
+    rounds) once ``deadline`` (``time.monotonic()``) has passed. Two clocks are read around
+    every step: ``wall`` (``time.perf_counter``) and ``cpu`` (``time.process_time``: CPU
+    seconds of this process, all its threads; on a shared machine it leaves out the time the
+    process waited for a core).
 
     Returns:
         ``times[clock][step]``: seconds per round; and the wall time of each step's first
