@@ -24,7 +24,7 @@ from typing import Any
 
 import torch.fx as fx
 
-from tread_fx.passes.inline_tables import _is_tensorish
+from tread_fx.passes.block_trace import is_tensorish
 from tread_fx.passes.trace import TensorMeta
 from tread_fx.passes.uses import (
     _ELEMENTWISE,
@@ -100,7 +100,7 @@ def between_use(
         stream per token, or ``None`` when no code between the blocks reads it (or it reads
         it only beside a stream whose batch holds tokens).
     """
-    if not _is_tensorish(node.meta.get("tread_meta")):
+    if not is_tensorish(node.meta.get("tread_meta")):
         return None
     if not any(u in region and u not in block_nodes for u in node.users):
         return None

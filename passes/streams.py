@@ -102,26 +102,25 @@ def check_one_stream_length(info: StreamInfo, route: Route) -> None:
 
 
 def check_no_token_tables_inside(
-    gm: fx.GraphModule, info: StreamInfo, route: Route, handled: frozenset[int] = frozenset()
+    gm: fx.GraphModule, info: StreamInfo, route: Route, known: frozenset[int] = frozenset()
 ) -> None:
-    """Refuse blocks that hold a buffer indexed by their input tokens (BEiT's relative
-    position index is [N, N]) unless the table it builds was found and is cut to the kept
-    tokens (the block indices in ``handled``, see ``passes/inline_tables.py``)."""
+    """Refuse blocks that hold a buffer with a dim of their token count (BEiT's relative
+    position index is [N, N]) and could not be traced through to see how they use it: the
+    blocks in ``known`` were, and their token tables are cut (``passes/inline_tables.py``)."""
     start = info.blocks[route.start]
     tokens = stream_tokens(start, info)
     sizes = {tokens, tokens - info.prefix}
     for block in info.blocks[route.start : route.end]:
-        if block.index in handled:
+        if block.index in known:
             continue
         for name, buffer in gm.get_submodule(block.node.target).named_buffers():
             if buffer.dim() >= 2 and any(s in sizes for s in buffer.shape):
                 raise SideInputError(
                     f"block {block.index} ({block.path}) holds the buffer {name} of shape "
-                    f"{tuple(buffer.shape)}, a table over its {tokens} input tokens (e.g. a "
-                    "relative position index), and tracing the block through found no table "
-                    "built from it that meets the tokens (or the block could not be traced "
-                    "through), so it cannot run on the kept tokens only; route blocks "
-                    "without such tables, or pass blocks= to choose others."
+                    f"{tuple(buffer.shape)}, possibly a table over its {tokens} input tokens "
+                    "(e.g. a relative position index), and the block could not be traced "
+                    "through to see how it uses it, so it may not run on the kept tokens "
+                    "only; route blocks without such tables, or pass blocks= to choose others."
                 )
 
 

@@ -7,15 +7,15 @@ then followed forward through the block's tensor data flow (a size read is no da
 the uses it meets decide what it is (first match in this order):
 
 - ``mask``: the ``attn_mask`` of ``scaled_dot_product_attention`` or
-  ``nn.MultiheadAttention``, added to ``q @ k^T`` scores, the mask of ``masked_fill`` or
-  ``where``: cut on every token dim.
+  ``nn.MultiheadAttention``, added to ``q @ k^T`` scores (``+`` or ``baddbmm``), the mask
+  of ``masked_fill`` or ``where``: cut on every token dim.
 - ``ids``: indexes an embedding or a table (``embedding``, ``index_select``, ``gather``,
   advanced indexing): gathered.
 - ``table``: elementwise with the stream (or q/k) on a non-last dim of a token count
   (RoPE cos/sin after a head split, gates, per-token modulation), or concatenated with the
   stream beside its tokens: gathered on the token dim.
 - ``context``: a matmul/attention operand against the stream (cross-attention keys and
-  values), or concatenated to the stream along the tokens: passed.
+  values, a weight of ``F.linear``), or concatenated to the stream along the tokens: passed.
 - ``unknown``: it meets the stream only in an op tread_fx cannot see into (a leaf module):
   the rules decide by its shape against the stream and say so (:func:`shape_warning`).
 - ``none``: none of these (per-sample, global, unused): passed.
@@ -26,7 +26,8 @@ computed from the stream (``view``/``reshape``/``unflatten`` of its token dim,
 by coincidence) is never rewritten (:mod:`tread_fx.passes.count_slots`). A block that cannot
 be traced through has no uses (``None``). Module calls inside a routed block that are no block
 of the stack (the attention of a ``[norm, attention, residual]`` member) are decided the same
-way (:func:`call_uses`, :mod:`tread_fx.passes.inner_uses`).
+way (:func:`call_uses`, :mod:`tread_fx.passes.inner_uses`), and so are the tables a block
+builds itself (:func:`built_table_uses`, :mod:`tread_fx.passes.inline_tables`).
 
 Names play no part here (nor anywhere a side value is decided); the plan shows them as hints.
 
@@ -44,14 +45,15 @@ import torch.fx as fx
 from torch import nn
 
 from tread_fx.adapters.values import SideValue, TensorMeta
+from tread_fx.passes.block_trace import example_of, is_tensorish, trace_through
 from tread_fx.passes.count_slots import count_slots, tagged_example
-from tread_fx.passes.inline_tables import _example_of, _is_tensorish, trace_through
 from tread_fx.passes.locate import BlockCall, input_slots
 
 __all__ = [
     "Use",
     "BlockUses",
     "block_uses",
+    "built_table_uses",
     "call_uses",
     "route_uses",
     "reached_ops",
@@ -76,7 +78,7 @@ _ORDER = (Use.MASK, Use.IDS, Use.TABLE, Use.CONTEXT, Use.UNKNOWN)
 
 
 _SDPA = "scaled_dot_product_attention"
-_MATMUL = {"matmul", "bmm", "baddbmm", "einsum", "__matmul__"}
+_MATMUL = {"matmul", "bmm", "baddbmm", "einsum", "__matmul__", "linear"}
 _SCORE_PATH = {"mul", "div", "truediv", "__mul__", "__truediv__", "float", "to", "type_as",
                "contiguous", "add", "__add__", "iadd", "add_", "mul_", "div_"}  # fmt: skip
 _MASK_FILL = {"masked_fill", "masked_fill_", "where"}
@@ -135,7 +137,7 @@ def _forward(start: fx.Node, within: set[fx.Node] | None = None) -> set[fx.Node]
             todo.extend(
                 u
                 for u in node.users
-                if (within is None or u in within) and _is_tensorish(u.meta.get("tread_meta"))
+                if (within is None or u in within) and is_tensorish(u.meta.get("tread_meta"))
             )
     return seen
 
@@ -182,7 +184,8 @@ def _tensor_use(node: fx.Node, reach: set[fx.Node], stream: set[fx.Node], ctx) -
         index = [a for a in inputs if a is not table]
         return Use.IDS if table not in reach and any(a in reach for a in index) else None
     if name in _MATMUL and mine and theirs:
-        return Use.CONTEXT
+        added = name == "baddbmm" and node.args[0] in mine  # baddbmm(bias, q, k^T)
+        return Use.MASK if added and _is_scores(node, stream) else Use.CONTEXT
     if name in _ELEMENTWISE and mine and theirs:
         if any(_is_scores(t, stream) for t in theirs):
             return Use.MASK
@@ -234,6 +237,36 @@ def _joined_lengths(graph: fx.Graph, stream: set[fx.Node], tokens: set[int]) -> 
     return tokens
 
 
+def _stream_context(gm: fx.GraphModule, starts: list[fx.Node], tokens: set[int]) -> tuple:
+    """(nodes computed from the stream inputs ``starts``, the classifier's context)."""
+    stream = set().union(*(_forward(s) for s in starts))
+    return stream, (_joined_lengths(gm.graph, stream, tokens), gm)
+
+
+def built_table_uses(
+    gm: fx.GraphModule, tables: list[fx.Node], stream_at: list[int], tokens: set[int]
+) -> dict[fx.Node, Use]:
+    """How a traced-through block uses tensors it builds itself (a bias from an index
+    buffer, a RoPE table from ``arange(N)``): the same rules as for its inputs.
+
+    Args:
+        gm: The block traced through (``block_trace.trace_through``).
+        tables: Nodes of ``gm`` computed without the block's inputs.
+        stream_at: Positions of the placeholders that carry the token stream.
+        tokens: Token counts of the routed stream.
+
+    Returns:
+        Each table's use (``mask``/``table``: cut on its token dims; ``context``/``none``:
+        not per token, a weight or a buffer used on the features).
+
+    Example:
+        >>> # see tread_fx.passes.inline_tables.find_token_tables
+    """
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    stream, ctx = _stream_context(gm, [placeholders[i] for i in stream_at], tokens)
+    return {t: _classify_tensor(t, stream, ctx) for t in tables}
+
+
 def _class_uses(gm, node: fx.Node, stream_at, example: Any, leaves, tokens, token_dim):
     """(use per flat tensor position, count slots, first ops) of one module class called at
     ``node``, whose flat tensor inputs at ``stream_at`` carry the stream, or ``None``."""
@@ -244,12 +277,11 @@ def _class_uses(gm, node: fx.Node, stream_at, example: Any, leaves, tokens, toke
     placeholders = [n for n in traced.gm.graph.nodes if n.op == "placeholder"]
     if not stream_at or len(placeholders) != len(leaves):
         return None
-    stream = set().union(*(_forward(placeholders[i]) for i in stream_at))
     for i in stream_at:  # the call's own stream length counts too
         own = _shape(placeholders[i])
         tokens = tokens | ({own[token_dim]} if own and token_dim < len(own) else set())
-    tokens = _joined_lengths(traced.gm.graph, stream, tokens)
-    ctx = (tokens, traced.gm)
+    stream, ctx = _stream_context(traced.gm, [placeholders[i] for i in stream_at], tokens)
+    tokens = ctx[0]
     uses = [
         Use.TABLE if i in stream_at else _classify_tensor(ph, stream, ctx)
         for i, ph in enumerate(placeholders)
@@ -280,7 +312,7 @@ def call_uses(
         >>> # see block_uses and tread_fx.passes.inner_uses
     """
     by_class = gm.graph.__dict__.setdefault("_tread_uses", {})
-    kept = _example_of(gm, node)
+    kept = example_of(gm, node)
     if kept is None:
         return None
     example, leaves = kept

@@ -35,13 +35,9 @@ from tread_fx.errors import (
     ThinRouteWarning,
     TokenStreamError,
 )
+from tread_fx.passes.block_trace import drop_examples
 from tread_fx.passes.forms import cut_at_route_ends, form_changes, locate_tokens, needs_split
-from tread_fx.passes.inline_tables import (
-    InlineBlock,
-    drop_examples,
-    find_token_tables,
-    inline_token_tables,
-)
+from tread_fx.passes.inline_tables import InlineBlock, find_token_tables, inline_token_tables
 from tread_fx.passes.locate import StreamInfo, block_leaf_paths, resolve_block_lists
 from tread_fx.passes.plan import Crossing, RoutePlan, graph_to_networkx, plan_route
 from tread_fx.passes.rewrite import append_route_outputs, rewrite_route
@@ -197,9 +193,8 @@ def _token_tables(traced, info: StreamInfo, plan: RoutePlan, share: bool | None)
     """Routed blocks that build token tables inside (traced through, see
     ``passes/inline_tables.py``); their route's selection is shared across the batch."""
     route = plan.route
-    found = find_token_tables(traced.gm, info.blocks[route.start : route.end], plan.layout)
-    handled = frozenset(f.block.index for f in found)
-    check_no_token_tables_inside(traced.gm, info, route, handled)
+    found, known = find_token_tables(traced.gm, info.blocks[route.start : route.end], plan.layout)
+    check_no_token_tables_inside(traced.gm, info, route, known)
     if found:
         _require_shared(
             plan,

@@ -1,0 +1,185 @@
+"""Tables a routed block builds itself are decided by how the block uses them (issue 28).
+
+``tests/test_inblock_token_tables.py`` covers the token tables (a bias added to the scores, a
+RoPE table rotated with q/k). Here, the other side of the same rule: a tensor the block
+computes without its inputs whose size equals the token count only by coincidence (a fixed
+rotation of the features, ``[D, D]`` with ``D == N``) is no token table and is left whole;
+a table that meets another sequence of the same length (the context) is left whole; a
+learned table used per token is cut; a bias given to ``baddbmm`` is a mask; and a table that
+meets the tokens only in an op no rule reads is refused, naming the op.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_inblock_token_tables import HEADS, B, Backbone, D, _attend, _Block, _by_hand, _inputs
+from third_party_checks import Case, train_forward
+from torch import nn
+
+import tread_fx
+
+N = D  # the token count equals the width: any [D, D] buffer is token-sized by its shape
+
+
+def _hadamard(n: int) -> torch.Tensor:
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    return h / n**0.5
+
+
+class RotatedBlock(_Block):
+    """A fixed orthogonal rotation of the features (a buffer), as quantized models do."""
+
+    def __init__(self, linear: bool = False) -> None:
+        super().__init__()
+        self.register_buffer("rotation", _hadamard(D))
+        self.linear = linear
+
+    def forward(self, x, keep=None):
+        x = nn.functional.linear(x, self.rotation) if self.linear else x @ self.rotation
+        return self.finish(x, _attend(*self.heads(x)))
+
+
+class ContextTableBlock(_Block):
+    """Cross-attends to a context whose length equals the token count, after adding a
+    position table built for the context's own length inside the block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.context_positions = nn.Embedding(64, D)
+        self.kv = nn.Linear(D, 2 * D)
+
+    def forward(self, x, context, keep=None):
+        c = context + self.context_positions(torch.arange(context.shape[1]))
+        b, n, _ = x.shape
+        q = self.qkv(self.norm(x))[..., :D].reshape(b, n, HEADS, -1).transpose(1, 2)
+        k, v = self.kv(c).reshape(b, c.shape[1], 2, HEADS, -1).permute(2, 0, 3, 1, 4)
+        return self.finish(x, _attend(q, k, v))
+
+
+class LearnedTableBlock(_Block):
+    """A learned per-token table (a parameter) added inside every block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.positions = nn.Parameter(torch.randn(1, N, D))
+
+    def forward(self, x, keep=None):
+        x = x + (self.positions if keep is None else self.positions[:, keep])
+        return self.finish(x, _attend(*self.heads(x)))
+
+
+class BaddbmmBiasBlock(_Block):
+    """A fixed pair bias added to the scores through ``baddbmm`` (bias + q @ k^T)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("pair_bias", torch.randn(1, N, N))
+
+    def forward(self, x, bias=None, keep=None):
+        q, k, v = (t.flatten(0, 1) for t in self.heads(x))
+        bias = self.pair_bias if bias is None else bias
+        bias = bias if keep is None else bias[:, keep][:, :, keep]
+        scores = torch.baddbmm(bias, q, k.transpose(-2, -1), alpha=q.shape[-1] ** -0.5)
+        out = (scores.softmax(-1) @ v).unflatten(0, (x.shape[0], HEADS))
+        return self.finish(x, out)
+
+
+class HandedBiasBackbone(Backbone):
+    """Hands every block the model's own pair bias (the blocks' copies hold the same)."""
+
+    def __init__(self) -> None:
+        super().__init__(BaddbmmBiasBlock, N)
+        self.register_buffer("pair_bias", self.blocks[0].pair_bias.clone())
+        for block in self.blocks:
+            block.pair_bias.copy_(self.pair_bias)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x, self.pair_bias)
+        return self.out(x)
+
+
+class FloorBlock(_Block):
+    """Meets its tokens with a table of its own in ``torch.maximum`` (no rule reads it)."""
+
+    def forward(self, x, keep=None):
+        floor = torch.arange(x.shape[1], dtype=x.dtype)[:, None].expand(-1, D) * 0.01
+        return self.finish(x, _attend(*self.heads(torch.maximum(x, floor))))
+
+
+class ContextBackbone(Backbone):
+    def __init__(self) -> None:
+        super().__init__(ContextTableBlock, N)
+
+    def forward(self, x, context):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x, context)
+        return self.out(x)
+
+
+def _case(name: str, make_block) -> Case:
+    return Case(name, lambda: Backbone(make_block, N), _inputs(N), routes=[(1, 4)])
+
+
+def _routed_equals_by_hand(case: Case) -> None:
+    model = case.route(case.model())
+    out = train_forward(model, case)
+    (x,), _ = case.inputs()
+    with torch.no_grad():
+        expected = _by_hand(model, x, tread_fx.route_info(model)[0].kept)
+    torch.testing.assert_close(out.detach(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("linear", [False, True], ids=["matmul", "linear"])
+def test_a_buffer_token_sized_by_coincidence_is_left_whole(linear):
+    case = _case("rotated", lambda: RotatedBlock(linear))
+    _routed_equals_by_hand(case)
+    exp = str(tread_fx.explain(case.model(), case.routes, 0.5, case.inputs(), flops=False))
+    assert "inlined" not in exp
+
+
+def test_a_table_of_a_context_as_long_as_the_tokens_is_left_whole():
+    gen = torch.Generator().manual_seed(2)
+    inputs = (torch.randn(B, N, 4, generator=gen), torch.randn(B, N, D, generator=gen)), {}
+    case = Case("context", ContextBackbone, lambda: inputs, routes=[(1, 4)])
+    model = case.route(case.model())
+    out = train_forward(model, case)
+    kept = tread_fx.route_info(model)[0].kept
+    x, context = inputs[0]
+    with torch.no_grad():
+        h = model.embed(x)
+        ids = kept[:, :, None].expand(-1, -1, D)
+        sub = h.gather(1, ids)
+        h = model.blocks[0](h, context)
+        sub = h.gather(1, ids)
+        for block in model.blocks[1:4]:
+            sub = block(sub, context)
+        h = h.scatter(1, ids, sub)
+        expected = model.out(model.blocks[4](h, context))
+    torch.testing.assert_close(out.detach(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_learned_table_used_per_token_is_cut():
+    _routed_equals_by_hand(_case("learned", LearnedTableBlock))
+
+
+@pytest.mark.parametrize("handed", [False, True], ids=["built", "handed-in"])
+def test_a_bias_given_to_baddbmm_is_cut_as_a_mask(handed):
+    if handed:
+        case = Case("handed", HandedBiasBackbone, _inputs(N), routes=[(1, 4)])
+    else:
+        case = _case("baddbmm", BaddbmmBiasBlock)
+    _routed_equals_by_hand(case)
+
+
+def test_a_table_no_rule_reads_is_refused_naming_the_op():
+    case = _case("floor", FloorBlock)
+    model = case.route(case.model())
+    with pytest.raises(tread_fx.errors.SideInputError, match="maximum") as err:
+        train_forward(model, case)
+    assert "blocks=" in str(err.value)
