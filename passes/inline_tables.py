@@ -10,18 +10,18 @@ tracing the model (:mod:`tread_fx.passes.block_trace`), and splits the block's g
 *data* (everything computed from its inputs) and *tables* (tensors computed without them:
 from buffers, parameters, constants and sizes). A table that meets the data is classified
 by how the block uses it, with the same rules as the block's inputs
-(:func:`tread_fx.passes.uses.built_table_uses`): a ``mask`` (added to the attention scores)
+(:func:`tread_fx.passes.uses.built_table_uses`). A ``mask`` (added to the attention scores)
 or a ``table`` (elementwise with the stream on a token dim) with token-sized dims (``N`` or
-``N - prefix`` rows; the last dim counts only beside another token dim, as in ``[N, N]``)
-is a token table; a ``context`` or ``none`` one (a buffer multiplied with the features,
+``N - prefix`` rows) is a token table: a mask is cut on every token dim (its last one only
+beside another, as in ``[N, N]``), a table on its token dims but the last (which meets the
+stream's features). A ``context`` or ``none`` one (a buffer multiplied with the features,
 whatever its size) is not. A table built from buffers, factories or sizes that meets the
 tokens only where no rule reads its dims (``unknown``, or it indexes the tokens: ``ids``)
 is refused. If a block has a token table, it is inlined into the routed graph: its tables
 are built for all ``N`` tokens (sizes they read are the traced constants, so positions stay
-the original ones), and each token table is cut to the kept tokens on every token dim (rows
-and columns of an ``[N, N]`` bias) where it meets the data. The data part reads its sizes
-from the routed values, so its reshapes follow the kept count. Tables have no batch dim, so
-the route's selection is shared across the batch.
+the original ones), and each token table is cut to the kept tokens where it meets the data.
+The data part reads its sizes from the routed values, so its reshapes follow the kept
+count. Tables have no batch dim, so the route's selection is shared across the batch.
 
 Example:
     >>> # driven by tread_fx.pipeline.build: find_token_tables, then inline_token_tables.
@@ -147,17 +147,16 @@ def _token_dims(
     return [(tuple(ds), skip) for skip, ds in groups.items()]
 
 
-def _candidates(traced: TracedCall, data: set[fx.Node], layout: StreamLayout) -> dict:
+def _candidates(traced: TracedCall, data: set[fx.Node], layout: StreamLayout) -> list:
     """Tensors computed without the block's inputs that meet them, with token-sized dims."""
-    found = {}
-    for node in traced.gm.graph.nodes:
-        meta = node.meta.get("tread_meta")
-        if node in data or not isinstance(meta, TensorMeta):
-            continue
-        groups = _token_dims(meta.shape, layout) if any(u in data for u in node.users) else []
-        if groups:
-            found[node] = groups
-    return found
+    return [
+        node
+        for node in traced.gm.graph.nodes
+        if node not in data
+        and isinstance(meta := node.meta.get("tread_meta"), TensorMeta)
+        and any(u in data for u in node.users)
+        and _token_dims(meta.shape, layout)
+    ]
 
 
 def _stream_positions(block: BlockCall, leaves: list) -> list[int]:
@@ -172,7 +171,7 @@ def _tables(block: BlockCall, leaves: list, traced: TracedCall, layout: StreamLa
     candidates = _candidates(traced, data, layout)
     tokens = {layout.num_tokens, layout.num_tokens - layout.prefix, layout.routable}
     stream_at = _stream_positions(block, leaves)
-    uses = built_table_uses(traced.gm, list(candidates), stream_at, tokens)
+    uses = built_table_uses(traced.gm, candidates, stream_at, tokens)
     for node, use in uses.items():
         if use in (Use.IDS, Use.UNKNOWN) and _built_from_tables(node, data, traced.gm):
             raise SideInputError(_unresolved(block, node, use))
@@ -222,8 +221,9 @@ def find_token_tables(
         if kept is None:
             continue
         key = (type(gm.get_submodule(block.node.target)), id(kept[0]))
-        if key in verdict and not verdict[key]:
-            known.update([block.index] if verdict[key] is False else [])
+        if key in verdict and not verdict[key]:  # no token table (False), or not traced
+            if verdict[key] is False:
+                known.add(block.index)
             continue
         traced = trace_through(gm.get_submodule(block.node.target), kept[0], inlined=True)
         placeholders = [] if traced is None else traced.gm.graph.find_nodes(op="placeholder")
