@@ -7,8 +7,9 @@ then followed forward through the block's tensor data flow (a size read is no da
 the uses it meets decide what it is (first match in this order):
 
 - ``mask``: the ``attn_mask`` of ``scaled_dot_product_attention`` or
-  ``nn.MultiheadAttention``, added to ``q @ k^T`` scores (``+`` or ``baddbmm``), the mask
-  of ``masked_fill`` or ``where``: cut on every token dim.
+  ``nn.MultiheadAttention``, added to ``q @ k^T`` scores (``+`` or ``baddbmm``) or combined
+  with the attention probabilities, the mask of ``masked_fill`` or ``where``: cut on every
+  token dim.
 - ``ids``: indexes an embedding or a table (``embedding``, ``index_select``, ``gather``,
   advanced indexing): gathered.
 - ``table``: elementwise with the stream (or q/k) on a non-last dim of a token count
@@ -80,7 +81,8 @@ _ORDER = (Use.MASK, Use.IDS, Use.TABLE, Use.CONTEXT, Use.UNKNOWN)
 _SDPA = "scaled_dot_product_attention"
 _MATMUL = {"matmul", "bmm", "baddbmm", "einsum", "__matmul__", "linear"}
 _SCORE_PATH = {"mul", "div", "truediv", "__mul__", "__truediv__", "float", "to", "type_as",
-               "contiguous", "add", "__add__", "iadd", "add_", "mul_", "div_"}  # fmt: skip
+               "contiguous", "add", "__add__", "iadd", "add_", "mul_", "div_",
+               "softmax"}  # fmt: skip
 _MASK_FILL = {"masked_fill", "masked_fill_", "where"}
 _ELEMENTWISE = {"add", "sub", "mul", "div", "truediv", "iadd", "isub", "imul", "add_", "sub_",
                 "mul_", "div_", "addcmul", "__add__", "__sub__", "__mul__", "__truediv__",
@@ -143,7 +145,8 @@ def _forward(start: fx.Node, within: set[fx.Node] | None = None) -> set[fx.Node]
 
 
 def _is_scores(node: fx.Node, stream: set[fx.Node], depth: int = 4) -> bool:
-    """``node`` is (a scaling of) a product of two stream-derived values (q @ k^T)."""
+    """``node`` is (a scaling or softmax of) a product of two stream-derived values
+    (q @ k^T): attention scores or probabilities, a token-by-token map."""
     name = _name(node)
     if name in _MATMUL:
         return sum(a in stream for a in node.all_input_nodes) >= 2

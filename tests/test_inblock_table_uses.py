@@ -5,8 +5,9 @@ RoPE table rotated with q/k). Here, the other side of the same rule: a tensor th
 computes without its inputs whose size equals the token count only by coincidence (a fixed
 rotation of the features, ``[D, D]`` with ``D == N``) is no token table and is left whole;
 a table that meets another sequence of the same length (the context) is left whole; a
-learned table used per token is cut; a bias given to ``baddbmm`` is a mask; and a table that
-meets the tokens only in an op no rule reads is refused, naming the op.
+learned table used per token is cut; a bias given to ``baddbmm`` is a mask; a table blended
+with the attention probabilities is cut on both token dims; and a table that meets the tokens
+only in an op no rule reads is refused, naming the op.
 """
 
 from __future__ import annotations
@@ -103,6 +104,28 @@ class HandedBiasBackbone(Backbone):
         return self.out(x)
 
 
+class GatedPositionBlock(_Block):
+    """Blends the content attention with a positional attention computed from a fixed
+    ``[N, N]`` distance buffer, both after their softmax (a gated positional attention)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        positions = torch.arange(N, dtype=torch.float32)
+        self.register_buffer("distance", (positions[:, None] - positions[None]).abs())
+        self.position_scores = nn.Linear(1, HEADS)
+        self.gate = nn.Parameter(torch.zeros(HEADS))
+
+    def forward(self, x, keep=None):
+        q, k, v = self.heads(x)
+        content = ((q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5).softmax(-1)
+        where = self.position_scores(self.distance[..., None]).permute(2, 0, 1).softmax(-1)
+        where = where if keep is None else where[:, keep][:, :, keep]
+        gate = torch.sigmoid(self.gate)[:, None, None]
+        attention = (1 - gate) * content + gate * where
+        attention = attention / attention.sum(-1, keepdim=True)
+        return self.finish(x, attention @ v)
+
+
 class FloorBlock(_Block):
     """Meets its tokens with a table of its own in ``torch.maximum`` (no rule reads it)."""
 
@@ -175,6 +198,10 @@ def test_a_bias_given_to_baddbmm_is_cut_as_a_mask(handed):
     else:
         case = _case("baddbmm", BaddbmmBiasBlock)
     _routed_equals_by_hand(case)
+
+
+def test_a_table_blended_with_the_attention_probabilities_is_cut_on_both_token_dims():
+    _routed_equals_by_hand(_case("gated", GatedPositionBlock))
 
 
 def test_a_table_no_rule_reads_is_refused_naming_the_op():
