@@ -14,7 +14,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_inblock_token_tables import HEADS, B, Backbone, D, _attend, _Block, _by_hand, _inputs
+from test_inblock_token_tables import (
+    HEADS,
+    B,
+    Backbone,
+    D,
+    _attend,
+    _Block,
+    _inputs,
+    routed_equals_by_hand,
+)
 from third_party_checks import Case, train_forward
 from torch import nn
 
@@ -149,19 +158,10 @@ def _case(name: str, make_block) -> Case:
     return Case(name, lambda: Backbone(make_block, N), _inputs(N), routes=[(1, 4)])
 
 
-def _routed_equals_by_hand(case: Case) -> None:
-    model = case.route(case.model())
-    out = train_forward(model, case)
-    (x,), _ = case.inputs()
-    with torch.no_grad():
-        expected = _by_hand(model, x, tread_fx.route_info(model)[0].kept)
-    torch.testing.assert_close(out.detach(), expected, rtol=1e-5, atol=1e-5)
-
-
 @pytest.mark.parametrize("linear", [False, True], ids=["matmul", "linear"])
 def test_a_buffer_token_sized_by_coincidence_is_left_whole(linear):
     case = _case("rotated", lambda: RotatedBlock(linear))
-    _routed_equals_by_hand(case)
+    routed_equals_by_hand(case)
     exp = str(tread_fx.explain(case.model(), case.routes, 0.5, case.inputs(), flops=False))
     assert "inlined" not in exp
 
@@ -188,7 +188,7 @@ def test_a_table_of_a_context_as_long_as_the_tokens_is_left_whole():
 
 
 def test_a_learned_table_used_per_token_is_cut():
-    _routed_equals_by_hand(_case("learned", LearnedTableBlock))
+    routed_equals_by_hand(_case("learned", LearnedTableBlock))
 
 
 @pytest.mark.parametrize("handed", [False, True], ids=["built", "handed-in"])
@@ -197,11 +197,11 @@ def test_a_bias_given_to_baddbmm_is_cut_as_a_mask(handed):
         case = Case("handed", HandedBiasBackbone, _inputs(N), routes=[(1, 4)])
     else:
         case = _case("baddbmm", BaddbmmBiasBlock)
-    _routed_equals_by_hand(case)
+    routed_equals_by_hand(case)
 
 
 def test_a_table_blended_with_the_attention_probabilities_is_cut_on_both_token_dims():
-    _routed_equals_by_hand(_case("gated", GatedPositionBlock))
+    routed_equals_by_hand(_case("gated", GatedPositionBlock))
 
 
 def test_a_table_no_rule_reads_is_refused_naming_the_op():

@@ -245,14 +245,18 @@ class DataReadingBlock(BufferBiasBlock):
         return self.finish(x, _attend(*self.heads(x), bias))
 
 
-def test_a_buffer_used_as_it_is_is_cut():
-    case = Case("raw", lambda: Backbone(BufferBiasBlock, 16), _inputs(16), [(1, 4)])
+def routed_equals_by_hand(case: Case) -> None:
+    """The routed training output is the hand-written routed forward's (``_by_hand``)."""
     model = case.route(case.model())
     out = train_forward(model, case)
     (x,), _ = case.inputs()
     with torch.no_grad():
         expected = _by_hand(model, x, tread_fx.route_info(model)[0].kept)
     torch.testing.assert_close(out.detach(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_buffer_used_as_it_is_is_cut():
+    routed_equals_by_hand(Case("raw", lambda: Backbone(BufferBiasBlock, 16), _inputs(16), [(1, 4)]))
 
 
 def test_a_block_that_cannot_be_traced_through_is_refused():
