@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from tread_fx.adapters.values import TensorMeta
-from tread_fx.passes.trace import TracedCall, trace_call
+from tread_fx.passes.trace import TracedCall, fetch_attr, trace_call
 from tread_fx.passes.trace_support import has_call_hooks
 from tread_fx.runtime.guards import check_traced_value
 
@@ -30,7 +30,6 @@ __all__ = [
     "EXAMPLE_KEY",
     "drop_examples",
     "example_of",
-    "fetch_attr",
     "is_module_leaf",
     "is_node_leaf",
     "is_tensorish",
@@ -130,13 +129,6 @@ def example_of(gm: fx.GraphModule, node: fx.Node) -> tuple[Any, list] | None:
             if leaves is not None:
                 return other.meta[EXAMPLE_KEY], leaves
     return None
-
-
-def fetch_attr(root: nn.Module, target: str) -> Any:
-    obj: Any = root
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def trace_through(module: nn.Module, example: Any, *, inlined: bool) -> TracedCall | None:

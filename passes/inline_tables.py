@@ -42,7 +42,6 @@ from tread_fx.adapters.values import StreamLayout, TensorMeta
 from tread_fx.errors import SideInputError
 from tread_fx.passes.block_trace import (
     example_of,
-    fetch_attr,
     is_module_leaf,
     is_node_leaf,
     is_tensorish,
@@ -50,7 +49,7 @@ from tread_fx.passes.block_trace import (
     trace_through,
 )
 from tread_fx.passes.locate import BlockCall, input_slots
-from tread_fx.passes.trace import ARG_MODULE_PREFIX, MODEL_PREFIX, TracedCall
+from tread_fx.passes.trace import ARG_MODULE_PREFIX, MODEL_PREFIX, TracedCall, fetch_attr
 from tread_fx.passes.uses import Use, built_table_uses
 
 __all__ = [

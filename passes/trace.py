@@ -73,6 +73,7 @@ __all__ = [
     "trace_call",
     "MODEL_PREFIX",
     "ARG_MODULE_PREFIX",
+    "fetch_attr",
 ]
 
 MODEL_PREFIX = "model."
@@ -323,7 +324,7 @@ class ValueTracer(fx.Tracer):
             if kind == "call_module":
                 return _orig_module_call(self.root.get_submodule(target), *args, **kwargs)
             if kind == "get_attr":
-                return _fetch_attr(self.root, target)
+                return fetch_attr(self.root, target)
         except DataDependentError:
             raise
         except Exception as err:  # the model's own code failed on real values
@@ -384,7 +385,7 @@ class ValueTracer(fx.Tracer):
                 raise
             arg = self.create_node("get_attr", name, (), {})
         if isinstance(arg, fx.Node) and arg.op == "get_attr" and arg not in self.values:
-            value = _fetch_attr(self.root, arg.target)
+            value = fetch_attr(self.root, arg.target)
             self.values[arg] = value
             arg.meta["tread_meta"] = _meta_of(value)
         return arg
@@ -484,7 +485,13 @@ def _all_tensors(value: Any) -> bool:
     )
 
 
-def _fetch_attr(root: nn.Module, target: str) -> Any:
+def fetch_attr(root: nn.Module, target: str) -> Any:
+    """The attribute at a dotted ``target`` of ``root`` (a ``get_attr`` node's value).
+
+    Example:
+        >>> fetch_attr(nn.Sequential(nn.Linear(2, 3)), "0.bias").shape
+        torch.Size([3])
+    """
     obj: Any = root
     for part in target.split("."):
         obj = getattr(obj, part)
