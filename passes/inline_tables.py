@@ -168,7 +168,7 @@ def _tables(block: BlockCall, leaves: list, traced: TracedCall, layout: StreamLa
     table built from buffers or sizes whose use says nothing about its token dims."""
     data = _data_nodes(traced.gm.graph)
     candidates = _candidates(traced, data, layout)
-    tokens = {layout.num_tokens, layout.num_tokens - layout.prefix, layout.routable}
+    tokens = layout.token_counts
     stream_at = _stream_positions(block, leaves)
     uses = built_table_uses(traced.gm, candidates, stream_at, tokens)
     for node, use in uses.items():

@@ -48,7 +48,7 @@ def inner_call_uses(
     Returns:
         Per such call node, its :class:`~tread_fx.passes.uses.BlockUses` or ``None``.
     """
-    tokens = {layout.num_tokens, layout.num_tokens - layout.prefix, layout.routable}
+    tokens = layout.token_counts
     found: dict[fx.Node, BlockUses | None] = {}
     for node in region:
         if node.op != "call_module" or node in blocks:

@@ -135,7 +135,7 @@ def _looks_token_aligned(side: SideValue) -> bool:
     entries, e.g. a [N, d] table."""
     metas = side.meta if isinstance(side.meta, (tuple, list)) else (side.meta,)
     layout = side.stream
-    sizes = {layout.num_tokens, layout.num_tokens - layout.prefix, layout.routable}
+    sizes = layout.token_counts
     return any(
         isinstance(m, TensorMeta)
         and any(

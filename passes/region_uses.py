@@ -58,7 +58,7 @@ def side_use(
     if receiving and in_blocks is None:
         return None
     stream_start, block_nodes = ends
-    tokens = {layout.num_tokens, layout.num_tokens - layout.prefix, layout.routable}
+    tokens = layout.token_counts
     gm = node.graph.owning_module
     batch = (layout.batch_dim, layout.batch_size)
     between = between_use(node, region, stream_start, block_nodes, tokens, gm, batch)

@@ -403,7 +403,7 @@ def route_uses(gm: fx.GraphModule, blocks: list[BlockCall], layout: Any, token_d
     Example:
         >>> # driven by tread_fx.passes.plan.plan_route
     """
-    tokens = {layout.num_tokens, layout.num_tokens - layout.prefix, layout.routable}
+    tokens = layout.token_counts
     return block_uses(gm, blocks, tokens, token_dim)
 
 

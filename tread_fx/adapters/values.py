@@ -63,6 +63,17 @@ class StreamLayout:
         return self.num_tokens - self.prefix - self.suffix
 
     @property
+    def token_counts(self) -> set[int]:
+        """The counts a token dim of a value may have here: all tokens, those after the
+        prefix, the routable ones.
+
+        Example:
+            >>> sorted(StreamLayout(0, 1, 2, 17, 1, None).token_counts)
+            [16, 17]
+        """
+        return {self.num_tokens, self.num_tokens - self.prefix, self.routable}
+
+    @property
     def samples(self) -> int:
         """The model's batch size (the stream's batch rows over the folded sequences)."""
         return self.batch_size // self.folded
