@@ -22,7 +22,7 @@ from torch.utils import _pytree as pytree
 import tread_fx
 from tread_fx.api import _STATE
 from tread_fx.module_state import call_signature
-from tread_fx.passes.trace_support import has_call_hooks
+from tread_fx.passes.trace.support import has_call_hooks
 
 __all__ = ["measure", "main"]
 

@@ -18,7 +18,7 @@ from third_party_checks import INVARIANTS, Case
 
 import tread_fx
 from tread_fx.errors import UntraceableModelError
-from tread_fx.passes.trace import trace_call
+from tread_fx.passes.trace.tracer import trace_call
 
 
 class EinopsRotaryDiT(RotaryDiT):

@@ -3,7 +3,8 @@ DiT: encoder blocks, then ``x = x + self.decoder_pos_embed`` with a ``[1, N, D]`
 then decoder blocks taking a long skip of the embedded input). No block receives the table;
 the code between the blocks adds it to the stream along the token dim, which the traced
 graph shows: a per-token table, its kept rows taken per sample from its expansion over the
-batch, or indexed once when the route's selection is shared (``passes/region_uses.py``)."""
+batch, or indexed once when the route's selection is shared
+(``tread_fx/passes/plan/region_uses.py``)."""
 
 from __future__ import annotations
 

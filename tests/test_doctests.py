@@ -12,7 +12,7 @@ import torch
 
 import tread_fx
 
-PACKAGES = (tread_fx, tread_fx.passes, tread_fx.models)  # passes/ and models/ live elsewhere
+PACKAGES = (tread_fx,)  # passes/, models/ and the rest are its sub-packages
 MODULES = sorted(
     {package.__name__ for package in PACKAGES}
     | {

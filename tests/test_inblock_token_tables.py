@@ -202,7 +202,7 @@ def test_flops_drop(name):
     built = tread_fx.pipeline.build(
         model, args, {}, tread_fx.config.resolve_config(model, case.routes, 0.5)
     )
-    from tread_fx.passes.trace import trace_call
+    from tread_fx.passes.trace.tracer import trace_call
 
     paths = [b.path for b in built.info.blocks]
     original = trace_call(model, args, {}, set(paths))

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 import tread_fx
-import tread_fx.passes.locate as locate_pass
-import tread_fx.passes.trace as trace_pass
+import tread_fx.passes.locate.stream as locate_pass
+import tread_fx.passes.trace.tracer as trace_pass
 import tread_fx.pipeline as pipeline
 from tread_fx.errors import TreadFxError, TreadFxInternalError
 

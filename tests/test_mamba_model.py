@@ -111,7 +111,7 @@ def test_selective_scan_low_precision_inputs_compute_in_float32():
 
 def test_selective_scan_is_traced_as_one_node():
     # plain PyTorch (torch.fx.wrap in the model file): no tread_fx registration needed
-    from tread_fx.passes.trace import trace_call
+    from tread_fx.passes.trace.tracer import trace_call
 
     model = Mamba_S_2(**TINY)
     x, t, y = torch.randn(2, 1, 8, 8), torch.rand(2), torch.tensor([1, 2])

@@ -1,4 +1,5 @@
-"""The reference backbones share one ``forward_with_cfg`` contract (DiT's; models/layers.py).
+"""The reference backbones share one ``forward_with_cfg`` contract (DiT's;
+tread_fx/models/layers.py).
 
 The caller doubles the batch: rows ``[:B]`` conditional, rows ``[B:]`` the null class; only
 ``x[:B]`` is read. The output has the same ``2B`` rows, the guided noise channels in both halves

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import tread_fx
-from tread_fx.passes import thread_patch
+from tread_fx.passes.trace import thread_patch
 
 
 class Block(nn.Module):

@@ -2,7 +2,8 @@
 
 ``x, ps = pack([x, registers], "b * d")`` builds the stream the blocks see, as
 ``torch.cat([x, registers], 1)`` does, but inside one opaque leaf call. The trace compares the
-leaf's output with its tensor inputs laid out along each dim (``passes/concats.py``): the
+leaf's output with its tensor inputs laid out along each dim
+(``tread_fx/passes/trace/concats.py``): the
 values show a concatenation, so the registers (not computed from the main input) are a
 never-routed suffix (behind) or prefix (in front), exactly as for ``torch.cat``. No function
 name decides: a leaf whose output is not such a concatenation records nothing.
@@ -18,7 +19,7 @@ from third_party_checks import INVARIANTS, Case, capture_block_inputs, train_for
 from torch import nn
 
 import tread_fx
-from tread_fx.passes.concats import concatenation_sizes
+from tread_fx.passes.trace.concats import concatenation_sizes
 
 B, N, R, D = 2, 16, 4, 32  # batch, image tokens, registers, width (stream_models' D)
 

@@ -6,9 +6,10 @@ which slices the last ``seq_len`` positions (``freqs[:, -seq_len:]``, ``seq_len`
 the stream's shape), rearranges it with einops and rotates q and k with it. The layers are
 ``ModuleList([norm, attention-or-feed-forward, residual])`` members (the member's first call,
 the norm, stands for the block), so the table enters the routed region at the attention, a
-module call that is no block of the stack (``passes/inner_uses.py``); the attention's
+module call that is no block of the stack (``tread_fx/passes/plan/inner_uses.py``); the attention's
 ``default(context, x)`` helper asks ``callable(x)`` of a traced tensor
-(``passes/trace_compat.py``). The table's use decides: rotated with q/k along the token dim,
+(``tread_fx/passes/trace/compat.py``). The table's use decides: rotated with q/k along the token
+dim,
 it is gathered at the kept tokens; routing equals a hand-written routed forward.
 """
 
@@ -22,7 +23,7 @@ from third_party_checks import INVARIANTS, Case, train_forward
 from torch import nn
 
 import tread_fx
-from tread_fx.passes.trace import trace_call
+from tread_fx.passes.trace.tracer import trace_call
 
 B, N, D, H = 2, 16, 32, 2  # batch, tokens, width, heads
 HEAD = D // H

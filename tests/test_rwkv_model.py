@@ -117,7 +117,7 @@ def test_bi_wkv_divides_decay_by_current_length():
 
 def test_bi_wkv_is_traced_as_one_node():
     # plain PyTorch (torch.fx.wrap in the model file): no tread_fx registration needed
-    from tread_fx.passes.trace import trace_call
+    from tread_fx.passes.trace.tracer import trace_call
 
     model = RWKV_S_2(**TINY)
     x, t, y = torch.randn(2, 1, 8, 8), torch.rand(2), torch.tensor([1, 2])

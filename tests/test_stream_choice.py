@@ -23,7 +23,7 @@ from third_party_checks import (
 from torch import nn
 
 import tread_fx
-from tread_fx.passes.dataflow import data_ancestors
+from tread_fx.passes.locate.dataflow import data_ancestors
 
 B, N, D, H = 2, 48, 32, 2  # the [B, 1, N, N] mask is larger than the stream
 

@@ -186,7 +186,7 @@ def test_sd3_text_stream_is_never_routed_and_last_block_returns_none_context():
 
 def test_sd3_controlnet_residuals_between_routed_blocks_are_gathered():
     """The residuals are added to the stream between the blocks: a per-sample table by that
-    use (passes/region_uses.py), its rows gathered per sample with the kept ids."""
+    use (tread_fx/passes/plan/region_uses.py), its rows gathered per sample with the kept ids."""
     case = CASES["sd3-controlnet"]
     model = case.route(case.model())
     train_forward(model, case)

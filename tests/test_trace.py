@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import tread_fx
-from tread_fx.passes.trace import trace_call
+from tread_fx.passes.trace.tracer import trace_call
 
 
 class Block(nn.Module):

@@ -180,7 +180,7 @@ def test_einops_functions_become_leaf_calls_without_registration():
 
 
 def test_in_place_mutation_is_seen_by_later_readers():
-    from tread_fx.passes.trace_mutation import is_inplace_method
+    from tread_fx.passes.trace.mutation import is_inplace_method
 
     model = InPlace()
     tread_fx.route(model, routes=[(1, 3)], seed=0)

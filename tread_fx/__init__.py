@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
     from tread_fx.api import RouteInfo, is_routed, route, route_info, routed_graphs, unroute
     from tread_fx.config import RoutingConfig, resolve_config
     from tread_fx.inspection import explain
-    from tread_fx.passes.rewrite import Reinsert
+    from tread_fx.passes.rewrite.insert import Reinsert
     from tread_fx.registry import register_leaf_function, register_leaf_module
     from tread_fx.routes import Route
     from tread_fx.training import force_routing, losses, sparse_guidance
@@ -45,7 +45,7 @@ _LAZY = {  # name -> (module, attribute or None for the module itself)
     "RoutingConfig": ("tread_fx.config", "RoutingConfig"),
     "resolve_config": ("tread_fx.config", "resolve_config"),
     "explain": ("tread_fx.inspection.explain", "explain"),
-    "Reinsert": ("tread_fx.passes.rewrite", "Reinsert"),
+    "Reinsert": ("tread_fx.passes.rewrite.insert", "Reinsert"),
     "register_leaf_function": ("tread_fx.registry", "register_leaf_function"),
     "register_leaf_module": ("tread_fx.registry", "register_leaf_module"),
     "Route": ("tread_fx.routes", "Route"),

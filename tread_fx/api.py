@@ -35,10 +35,10 @@ from tread_fx.errors import (
     TreadFxError,
 )
 from tread_fx.module_state import ModuleModes, call_signature, check_call, traced_through
-from tread_fx.passes.rewrite import Reinsert
-from tread_fx.passes.trace import MODEL_PREFIX
-from tread_fx.passes.trace_compat import dynamo_wrappers_run_original
-from tread_fx.passes.trace_support import has_call_hooks
+from tread_fx.passes.rewrite.insert import Reinsert
+from tread_fx.passes.trace.compat import dynamo_wrappers_run_original
+from tread_fx.passes.trace.support import has_call_hooks
+from tread_fx.passes.trace.tracer import MODEL_PREFIX
 from tread_fx.pipeline import Built, build
 from tread_fx.routes import Route
 from tread_fx.runtime.guards import GUARD_MARK
@@ -236,7 +236,7 @@ class _RoutingState:
 
     def _call_graph(self, entry: _Entry, tensors: list, noises: list) -> tuple:
         """Run the routed graph; uncompiled, code the model compiles itself runs its original
-        Python (``passes/trace_compat.py``), as it was traced."""
+        Python (``tread_fx/passes/trace/compat.py``), as it was traced."""
         args = (entry.built.traced.wrapper, *tensors, *noises)
         if self.compile or torch.compiler.is_compiling():  # dynamo traces the originals
             return entry.fn(*args)

@@ -26,9 +26,9 @@ from typing import Any
 from torch import nn
 
 from tread_fx.errors import BlockStackNotFoundError, TokenStreamError
-from tread_fx.passes.locate import candidate_stacks, resolve_block_lists
-from tread_fx.passes.rewrite import Reinsert
-from tread_fx.passes.stream_choice import check_stream_option
+from tread_fx.passes.locate.choice import check_stream_option
+from tread_fx.passes.locate.stream import candidate_stacks, resolve_block_lists
+from tread_fx.passes.rewrite.insert import Reinsert
 from tread_fx.routes import Route, check_rate, parse_routes, resolve_routes
 from tread_fx.runtime.selection import Strategy, get_strategy
 from tread_fx.wrappers import unwrap
@@ -52,7 +52,7 @@ class RoutingConfig:
         share_selection: Batch-shared selection: ``None`` where needed, or always/never.
         fp32_reentry: Run the first block after each route in float32.
         stream: The forward argument (name or position) whose stream is routed (``None``:
-            chosen by data flow, see ``passes/stream_choice.py``).
+            chosen by data flow, see ``tread_fx/passes/locate/choice.py``).
         strategy: The selection strategy named by ``selection``.
         block_lists: Paths of the candidate block containers (data flow picks among several).
         depth: Number of blocks when known without tracing, else ``None``.

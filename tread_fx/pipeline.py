@@ -35,17 +35,17 @@ from tread_fx.errors import (
     ThinRouteWarning,
     TokenStreamError,
 )
-from tread_fx.passes.block_trace import drop_examples
-from tread_fx.passes.forms import cut_at_route_ends, form_changes, locate_tokens, needs_split
-from tread_fx.passes.inline_tables import InlineBlock, find_token_tables, inline_token_tables
-from tread_fx.passes.locate import StreamInfo, block_leaf_paths, resolve_block_lists
-from tread_fx.passes.plan import Crossing, RoutePlan, graph_to_networkx, plan_route
-from tread_fx.passes.rewrite import append_route_outputs, rewrite_route
-from tread_fx.passes.stream_choice import choose_stream
-from tread_fx.passes.streams import check_no_token_tables_inside, grid_in_block_arguments
-from tread_fx.passes.thin_routes import thin_stack
-from tread_fx.passes.token_major import GRID_ROWS, is_token_major
-from tread_fx.passes.trace import TracedCall, trace_call
+from tread_fx.passes.locate.choice import choose_stream
+from tread_fx.passes.locate.layout import check_no_token_tables_inside, grid_in_block_arguments
+from tread_fx.passes.locate.stream import StreamInfo, block_leaf_paths, resolve_block_lists
+from tread_fx.passes.locate.thin_routes import thin_stack
+from tread_fx.passes.locate.token_major import GRID_ROWS, is_token_major
+from tread_fx.passes.plan.forms import cut_at_route_ends, form_changes, locate_tokens, needs_split
+from tread_fx.passes.plan.inline_tables import InlineBlock, find_token_tables, inline_token_tables
+from tread_fx.passes.plan.route_plan import Crossing, RoutePlan, graph_to_networkx, plan_route
+from tread_fx.passes.rewrite.insert import append_route_outputs, rewrite_route
+from tread_fx.passes.trace.block import drop_examples
+from tread_fx.passes.trace.tracer import TracedCall, trace_call
 from tread_fx.routes import Route
 from tread_fx.runtime.selection import get_strategy
 from tread_fx.stages import stage, stage_clock
@@ -191,7 +191,8 @@ def _apply_share_selection(plan: RoutePlan, share: bool | None) -> None:
 
 def _token_tables(traced, info: StreamInfo, plan: RoutePlan, share: bool | None) -> list:
     """Routed blocks that build token tables inside (traced through, see
-    ``passes/inline_tables.py``); their route's selection is shared across the batch."""
+    ``tread_fx/passes/plan/inline_tables.py``); their route's selection is shared across the
+    batch."""
     route = plan.route
     found, known = find_token_tables(traced.gm, info.blocks[route.start : route.end], plan.layout)
     check_no_token_tables_inside(traced.gm, info, route, known)

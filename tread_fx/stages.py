@@ -3,7 +3,7 @@ a :class:`~tread_fx.errors.TreadFxInternalError` naming the stage, the block and
 file:line being processed; the model's own exceptions stay the model's.
 
 Who raised it is read from the traceback: the innermost frame outside torch and the Python
-standard library is tread_fx's (``tread_fx/``, ``passes/``) for an internal error, the
+standard library is tread_fx's (``tread_fx/`` less ``tread_fx/models/``) for an internal error, the
 model's (or a library it calls) otherwise. An exception the model's code raised while being
 traced on real values is marked by the trace pass (``tread_model_error``) and stays the
 model's even though tread_fx's tracer ran the failing op.
@@ -35,27 +35,24 @@ from typing import Any
 import torch
 from torch import nn
 
-import tread_fx
-import tread_fx.models
-import tread_fx.passes as tread_passes
 from tread_fx.errors import TreadFxError, TreadFxInternalError
 
-__all__ = ["stage", "stage_clock", "raised_by_tread_fx", "source_line"]
+__all__ = ["stage", "stage_clock", "raised_by_tread_fx", "source_line", "own_file"]
 
-_OWN = tuple(
-    os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (tread_fx, tread_passes)
-)
+_OWN = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# the reference backbones live in the package but are model code, like anyone's
+_MODELS = os.path.join(_OWN, "models") + os.sep
 _NEUTRAL = (
     os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
     os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep,
 )
-_MODELS = os.path.dirname(os.path.abspath(tread_fx.models.__file__)) + os.sep
 _CLOCK: contextvars.ContextVar[dict[str, float] | None] = contextvars.ContextVar(
     "tread_fx_stage_clock", default=None
 )
 
 
-def _own_file(path: str) -> bool:
+def own_file(path: str) -> bool:
+    """Whether ``path`` is tread_fx's own code (its package, less the reference models)."""
     path = os.path.abspath(path)
     return path.startswith(_OWN) and not path.startswith(_MODELS)
 
@@ -67,7 +64,7 @@ def raised_by_tread_fx(err: BaseException) -> bool:
     for frame in reversed(traceback.extract_tb(err.__traceback__)):
         if os.path.abspath(frame.filename).startswith(_NEUTRAL):
             continue
-        return _own_file(frame.filename)
+        return own_file(frame.filename)
     return False
 
 
@@ -85,7 +82,7 @@ def _model_frame(err: BaseException) -> str:
     """The innermost frame of the model's code (outside torch, stdlib, tread_fx), if any."""
     for frame in reversed(traceback.extract_tb(err.__traceback__)):
         path = os.path.abspath(frame.filename)
-        if not path.startswith(_NEUTRAL) and not _own_file(path):
+        if not path.startswith(_NEUTRAL) and not own_file(path):
             return f"{frame.filename}:{frame.lineno}"
     return ""
 

@@ -11,7 +11,7 @@ before them, for packed ``[tokens, dim]`` streams only, ``packed-offsets`` and
 ``packed-segment-ids``.
 
 No rule reads an argument name or a library: they decide by the value's use in the blocks
-(``SideValue.use``, from :mod:`tread_fx.passes.uses`) and its shape. Names are hints
+(``SideValue.use``, from :mod:`tread_fx.passes.plan.uses`) and its shape. Names are hints
 (``SideValue.arg_names``) for ``explain`` and for user adapters.
 
 Example:
@@ -57,7 +57,8 @@ def _rows(side: SideValue, *, per_sample: bool, features_last: bool) -> RowMap |
 
 def _is_table(side: SideValue) -> bool:
     """The blocks combine it elementwise with the stream (or q/k) along a token dim: a
-    rotary or positional table, a per-token gate or modulation (``passes/uses.py``)."""
+    rotary or positional table, a per-token gate or modulation
+    (``tread_fx/passes/plan/uses.py``)."""
     return side.use == "table"
 
 
@@ -87,7 +88,7 @@ def _broadcast_rows(side: SideValue) -> RowMap | None:
 
 
 def _is_mask(side: SideValue) -> bool:
-    """The blocks use it on attention scores (``passes/uses.py``)."""
+    """The blocks use it on attention scores (``tread_fx/passes/plan/uses.py``)."""
     return side.use == "mask"
 
 
@@ -137,7 +138,7 @@ def _position_rows(side: SideValue, per_sample: bool) -> RowMap | None:
 
 def _unseen(side: SideValue) -> bool:
     """The blocks' use of it is not seen: it meets the stream only inside a leaf module, or
-    no block receiving it could be traced through (``passes/uses.py``)."""
+    no block receiving it could be traced through (``tread_fx/passes/plan/uses.py``)."""
     return side.use in (None, "unknown")
 
 

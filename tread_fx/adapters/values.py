@@ -96,7 +96,7 @@ class SideValue:
         from_inputs: Its values come from a model input (not only from constants,
             parameters, buffers or tensor shapes): it can vary with the batch.
         use: How the routed blocks and the code between them use it
-            (:class:`tread_fx.passes.uses.Use` value: ``"mask"``, ``"table"``, ``"ids"``,
+            (:class:`tread_fx.passes.plan.uses.Use` value: ``"mask"``, ``"table"``, ``"ids"``,
             ``"context"``, ``"none"``, ``"unknown"``: it meets the stream only inside a
             leaf module), or ``None``
             when no block receiving it could be traced through. Built-in rules decide by

@@ -51,12 +51,12 @@ from tread_fx.inspection.guards import (
     specialisation_guards,
 )
 from tread_fx.inspection.inputs import example_inputs as make_example_inputs
-from tread_fx.passes.locate import BlockCall, block_leaf_paths, candidate_stacks, input_slots
-from tread_fx.passes.plan import Crossing
-from tread_fx.passes.rewrite import Reinsert
-from tread_fx.passes.stacks import argument_name
-from tread_fx.passes.token_major import token_major_unit
-from tread_fx.passes.trace import trace_call
+from tread_fx.passes.locate.stacks import argument_name
+from tread_fx.passes.locate.stream import BlockCall, block_leaf_paths, candidate_stacks, input_slots
+from tread_fx.passes.locate.token_major import token_major_unit
+from tread_fx.passes.plan.route_plan import Crossing
+from tread_fx.passes.rewrite.insert import Reinsert
+from tread_fx.passes.trace.tracer import trace_call
 from tread_fx.pipeline import Built, build
 from tread_fx.stages import stage
 
@@ -225,7 +225,7 @@ def _stream(built: Built, selection: str) -> dict[str, Any]:
 
 
 def _choice(choice: Any) -> dict[str, Any] | None:
-    """How the routed stream was chosen (``passes/stream_choice.py``)."""
+    """How the routed stream was chosen (``tread_fx/passes/locate/choice.py``)."""
     if choice is None:
         return None
     return {
@@ -341,7 +341,7 @@ def explain(
 
 def _told_counts(built: Built) -> list[Guard]:
     """The block ints a route rewrites: only those that size the stream's token dim
-    (``passes/uses.py``); any other int stays, whatever its value."""
+    (``tread_fx/passes/plan/uses.py``); any other int stays, whatever its value."""
     gm = built.gm
     return [
         Guard(

@@ -19,7 +19,7 @@ groups-aware convolution backward), so the totals equal :func:`flop_counter` (th
 Example:
     >>> import torch, tread_fx
     >>> from tread_fx.inspection.flops import profile_graph
-    >>> from tread_fx.passes.trace import trace_call
+    >>> from tread_fx.passes.trace.tracer import trace_call
     >>> model = tread_fx.models.DiT_S_2(input_size=8, in_channels=1, num_classes=10, depth=2)
     >>> args = (torch.randn(1, 1, 8, 8), torch.rand(1), torch.tensor([3]))
     >>> traced = trace_call(model.train(), args, {}, {"blocks.0", "blocks.1"})
@@ -54,8 +54,8 @@ from tread_fx.inspection.counts import (
     count_graph,
     flop_counter,
 )
-from tread_fx.passes.trace import MODEL_PREFIX
-from tread_fx.passes.trace_compat import dynamo_wrappers_run_original
+from tread_fx.passes.trace.compat import dynamo_wrappers_run_original
+from tread_fx.passes.trace.tracer import MODEL_PREFIX
 from tread_fx.runtime.ops import call_in_fp32
 
 __all__ = [

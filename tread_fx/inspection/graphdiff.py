@@ -30,7 +30,7 @@ from typing import Any
 import networkx as nx
 import torch.fx as fx
 
-from tread_fx.passes.trace import MODEL_PREFIX, TensorMeta
+from tread_fx.passes.trace.tracer import MODEL_PREFIX, TensorMeta
 
 __all__ = ["GraphDiff", "Rewire", "diff_graphs", "to_networkx", "node_key", "shape_of"]
 

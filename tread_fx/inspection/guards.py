@@ -27,7 +27,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from tread_fx.passes import trace as trace_pass
+from tread_fx.passes.trace import tracer as trace_pass
 
 __all__ = [
     "Guard",

@@ -1,0 +1,297 @@
+"""Stream layouts of chained block lists: which carried values are token streams, how long
+the stream is in each list, and what a route may span.
+
+A chained stack (Flux, AuraFlow, Chroma) carries several values from block to block; only
+some are image-token streams (a joint text stream is not, although it attends to the
+image). Some models also concatenate other tokens (text) in front of the image stream
+between two lists, so the later list runs on a longer stream whose leading part is a
+prefix never routed.
+
+Example:
+    >>> # used by tread_fx.passes.plan.route_plan.plan_route
+"""
+
+from __future__ import annotations
+
+import math
+
+import networkx as nx
+import torch.fx as fx
+
+from tread_fx.errors import SideInputError, TokenStreamError
+from tread_fx.passes.locate.stacks import argument_items
+from tread_fx.passes.locate.stream import BlockCall, StreamInfo, input_slots, output_slots
+from tread_fx.passes.trace.concats import concatenation_parts
+from tread_fx.routes import Route
+
+__all__ = [
+    "stream_tokens",
+    "ends_where_stream_changes",
+    "check_one_stream_length",
+    "crossing_prefix",
+    "check_no_token_tables_inside",
+    "stream_prefix",
+    "family_slots",
+    "non_token_carried",
+    "grid_arguments",
+    "grid_in_block_arguments",
+    "int_arguments",
+]
+
+
+def stream_tokens(block: BlockCall, info: StreamInfo) -> int:
+    """Token count of the stream entering ``block``."""
+    return block.stream_in.meta["tread_meta"].shape[info.token_dim]
+
+
+def ends_where_stream_changes(info: StreamInfo, route: Route) -> bool:
+    """The route ends at a list whose stream is longer (text concatenated in between)."""
+    if route.end >= info.depth:
+        return False
+    if route.end in info.form_cuts:  # a route split at a change of the stream's form
+        return True
+    end, start = info.blocks[route.end], info.blocks[route.start]
+    return stream_tokens(end, info) != stream_tokens(start, info)
+
+
+def crossing_prefix(g: nx.DiGraph, info: StreamInfo, route: Route) -> int:
+    """Tokens concatenated in front of the stream inside the route (0: none).
+
+    A route may cross the boundary where the model concatenates other tokens (text) in front
+    of the image stream (MMDiT joint -> single blocks): the kept tokens travel through the
+    concatenation and the later blocks see ``T + kept`` tokens. Returns ``T``; refuses a
+    route along which the stream changes in any other way.
+    """
+    start = info.blocks[route.start]
+    last = info.blocks[route.end - 1]
+    base = stream_tokens(start, info)
+    if stream_tokens(last, info) == base:
+        check_one_stream_length(info, route)
+        return 0
+    changed = next(
+        b for b in info.blocks[route.start : route.end] if stream_tokens(b, info) != base
+    )
+    try:
+        extra = stream_prefix(g, info, changed) - stream_prefix(g, info, start)
+    except TokenStreamError:
+        extra = None
+    grown = stream_tokens(changed, info)
+    later = info.blocks[changed.index : route.end]
+    if (
+        extra is None
+        or extra + base != grown
+        or any(stream_tokens(b, info) != grown for b in later)
+    ):
+        check_one_stream_length(info, route)  # raises with the reason
+    return extra
+
+
+def check_one_stream_length(info: StreamInfo, route: Route) -> None:
+    """Refuse a route whose blocks do not all see a stream of the same length."""
+    start = info.blocks[route.start]
+    for block in info.blocks[route.start + 1 : route.end]:
+        if stream_tokens(block, info) != stream_tokens(start, info):
+            raise TokenStreamError(
+                f"route ({route.start}, {route.end}) starts where blocks see "
+                f"{stream_tokens(start, info)} tokens, but block {block.index} ({block.path}) sees "
+                f"{stream_tokens(block, info)}: the model concatenates other tokens (e.g. text) "
+                f"into the stream between {start.list_path} and {block.list_path}. Routes "
+                f"must stay on one stream: end this one at block {block.index} or start it "
+                "there."
+            )
+
+
+def check_no_token_tables_inside(
+    gm: fx.GraphModule, info: StreamInfo, route: Route, known: frozenset[int] = frozenset()
+) -> None:
+    """Refuse blocks that hold a buffer with a dim of their token count (BEiT's relative
+    position index is [N, N]) and could not be traced through to see how they use it: the
+    blocks in ``known`` were, and their token tables are cut
+    (``tread_fx/passes/plan/inline_tables.py``)."""
+    start = info.blocks[route.start]
+    tokens = stream_tokens(start, info)
+    sizes = {tokens, tokens - info.prefix}
+    for block in info.blocks[route.start : route.end]:
+        if block.index in known:
+            continue
+        for name, buffer in gm.get_submodule(block.node.target).named_buffers():
+            if buffer.dim() >= 2 and any(s in sizes for s in buffer.shape):
+                raise SideInputError(
+                    f"block {block.index} ({block.path}) holds the buffer {name} of shape "
+                    f"{tuple(buffer.shape)}, possibly a table over its {tokens} input tokens "
+                    "(e.g. a relative position index), and the block could not be traced "
+                    "through to see how it uses it, so it may not run on the kept tokens "
+                    "only; route blocks without such tables, or pass blocks= to choose others."
+                )
+
+
+def stream_prefix(g: nx.DiGraph, info: StreamInfo, start: BlockCall) -> int:
+    """Leading tokens never routed in the stream entering ``start``.
+
+    A chained list may run on a longer stream: AuraFlow and Chroma concatenate the text
+    stream in front of the image stream between their joint and single blocks. The parts
+    of that concatenation before the image stream are prefix tokens of the longer stream.
+    """
+    tokens = stream_tokens(start, info)
+    if tokens == info.num_tokens:
+        return info.prefix
+    first = next(b for b in info.blocks if b.list_path == start.list_path)
+    prev = info.blocks[first.index - 1] if first.index else None
+    if prev is not None and stream_tokens(prev, info) == info.num_tokens:
+        between = nx.descendants(g, prev.stream_out) & (
+            nx.ancestors(g, first.stream_in) | {first.stream_in}
+        )
+        for node in between:
+            prefix = prefix_in_cat(g, node, prev.stream_out, info, tokens)
+            if prefix is not None:
+                return prefix + info.prefix
+    raise TokenStreamError(
+        f"the stream entering {start.path} has {tokens} tokens, the stack's first block "
+        f"{info.num_tokens}, and no concatenation of other tokens in front of the image "
+        "stream explains the difference; route only blocks that see the first block's stream."
+    )
+
+
+def prefix_in_cat(g, node: fx.Node, image: fx.Node, info: StreamInfo, tokens: int) -> int | None:
+    found = concatenation_parts(node, info.token_dim)  # torch.cat, or a leaf such as pack
+    if found is None:
+        return None
+    parts, sizes = found
+    for i, part in enumerate(parts):
+        if part is image or nx.has_path(g, image, part):
+            last = i == len(parts) - 1 and sizes[i] == info.num_tokens
+            return sum(sizes[:i]) if last and sum(sizes) == tokens else None
+    return None
+
+
+def family_slots(g: nx.DiGraph, info: StreamInfo, block: BlockCall) -> set:
+    """Carried input slots of ``block``'s list that hold token streams.
+
+    In the stack's first list these are the carried slots whose value descends from the
+    model's first input. A chained list (Flux's single blocks after its joint blocks)
+    inherits them slot by slot: its carried input is a token stream only if it is fed by
+    the previous list's token-stream outputs alone — a joint text stream that attended to
+    the image tokens is not one, although it depends on them.
+    """
+    family: set = set()
+    for n, path in enumerate(info.list_paths):
+        members = [b for b in info.blocks if b.list_path == path]
+        slots = input_slots(members[0].node)
+        carried = (set(info.carried.get(path, {}).values()) | {members[0].in_slot}) & set(slots)
+        feeders = family_outputs(info, info.list_paths[n - 1], family) if n else None
+        family = {k for k in carried if is_token_slot(g, info, slots[k], feeders)}
+        family.add(members[0].in_slot)
+        if path == block.list_path:
+            return family
+    return family
+
+
+def is_token_slot(g: nx.DiGraph, info: StreamInfo, value: fx.Node, feeders) -> bool:
+    meta = value.meta.get("tread_meta")
+    shape = getattr(meta, "shape", ())
+    if len(shape) <= info.token_dim or shape[info.token_dim] != info.num_tokens:
+        return False  # e.g. CogVideoX's text stream, sliced off a text+image concatenation
+    if feeders is None:  # the stack's first list: by data flow from the model's first input
+        return value is info.primary or nx.has_path(g, info.primary, value)
+    return fed_only_by(value, feeders, info)
+
+
+def family_outputs(info: StreamInfo, path: str, family: set) -> tuple[set, set]:
+    """(token-stream outputs, all outputs) of the last block of list ``path``."""
+    last = [b for b in info.blocks if b.list_path == path][-1]
+    outs = output_slots(last.node)
+    if not outs:
+        return {last.node}, {last.node}
+    carried = info.carried.get(path, {})
+    tokens = {node for key, node in outs.items() if carried.get(key) in family}
+    return tokens | {last.stream_out}, set(outs.values())
+
+
+def fed_only_by(node: fx.Node, feeders: tuple[set, set], info: StreamInfo) -> bool:
+    """Whether ``node`` depends on token-stream outputs of the previous list and no other."""
+    tokens, outputs = feeders
+    stop = {b.node for b in info.blocks} | outputs
+    seen, todo = set(), [node]
+    while todo:
+        current = todo.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        if current not in outputs:
+            todo.extend(a for a in current.all_input_nodes if a not in stop or a in outputs)
+    reached = seen & outputs
+    return bool(reached) and reached <= tokens
+
+
+def non_token_carried(g: nx.DiGraph, info: StreamInfo, route: Route) -> set[fx.Node]:
+    """Values carried from block to block at the route end that are not token streams.
+
+    A joint text stream has its own carried slot; when it happens to have as many tokens
+    as the image stream, its shape alone would make it look like a stream to scatter.
+    """
+    if route.end < info.depth and not ends_where_stream_changes(info, route):
+        end = info.blocks[route.end]
+        slots = input_slots(end.node)
+        carried = set(info.carried.get(end.list_path, {}).values())
+        family = family_slots(g, info, end)
+        return {slots[k] for k in carried - family if k in slots}
+    last = info.blocks[route.end - 1]
+    outs = output_slots(last.node)
+    family = family_slots(g, info, last)
+    carried = info.carried.get(last.list_path, {})
+    return {outs[o] for o, i in carried.items() if i not in family and o in outs}
+
+
+def grid_arguments(info: StreamInfo, route: Route, grid: tuple[int, ...] | None) -> list[tuple]:
+    """Blocks of the route that receive the patch grid's height and width as numbers.
+
+    Sana's blocks take ``(..., height, width)`` (Sana-Video's ``(..., frames, height,
+    width)``) and reshape their tokens to that grid. Such a route can keep whole rows
+    (``selection="rows"``; in every frame for a video grid) if each block is told the kept
+    row count instead of the height.
+
+    Returns:
+        ``(node, slot)`` of every height argument (the width follows it).
+    """
+    if grid is None:
+        return []
+    found = []
+    for block in info.blocks[route.start : route.end]:
+        run = _int_run(block.node, tuple(grid))
+        if run is not None:
+            found.append((block.node, run[-2]))
+    return found
+
+
+def grid_in_block_arguments(info: StreamInfo, tokens: int) -> tuple[int, ...] | None:
+    """A patch grid the first block is told as consecutive numbers: ``(frames, height,
+    width)`` or ``(height, width)`` whose product is ``tokens`` (the routable tokens)."""
+    numbers = [v for _, v in int_arguments(info.blocks[0].node)]
+    for size in (3, 2):
+        for i in range(len(numbers) - size + 1):
+            run = tuple(numbers[i : i + size])
+            if math.prod(run) == tokens and min(run[-2:]) > 1:
+                return run
+    return None
+
+
+def int_arguments(node: fx.Node) -> list[tuple[tuple, int]]:
+    """``(slot, value)`` of each top-level int argument of a call (literal or computed)."""
+    return [(k, _int_value(a)) for k, a in argument_items(node) if _int_value(a) is not None]
+
+
+def _int_run(node: fx.Node, grid: tuple[int, ...]) -> list[tuple] | None:
+    """Slots of consecutive int arguments of ``node`` equal to ``grid``, if any."""
+    numbers = int_arguments(node)
+    for i in range(len(numbers) - len(grid) + 1):
+        window = numbers[i : i + len(grid)]
+        if tuple(v for _, v in window) == grid:
+            return [k for k, _ in window]
+    return None
+
+
+def _int_value(arg: object) -> int | None:
+    """An int argument, literal or computed from shapes in the graph (``H // p``)."""
+    if isinstance(arg, fx.Node):
+        arg = arg.meta.get("tread_meta")
+    return arg if type(arg) is int else None

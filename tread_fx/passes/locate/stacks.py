@@ -1,0 +1,505 @@
+"""The block stack: which containers hold the blocks the token stream flows through.
+
+Candidates are ModuleList/Sequential containers of same-class modules (without any, mixed-class
+ModuleLists: hybrid stacks); a member that is itself a list of sub-blocks (``for attn, ff in
+self.layers``) is entered at its first sub-block. Among the containers whose members are called
+once each, in order, the stack is the longest chain (a container whose first block depends on
+the previous one's last: Flux's joint then single blocks) that the model's main input (the one
+the prediction is shaped like) flows through, handing the stream most directly from block to
+block; of interleaved chains (factorised spatial/temporal video blocks, which both carry the
+stream), the one whose stream has the most tokens. ``blocks=`` names the containers instead.
+Used by :mod:`tread_fx.passes.locate.stream`.
+
+Example:
+    >>> import torch
+    >>> from tread_fx.passes.locate.stacks import candidate_stacks
+    >>> m = torch.nn.Module()
+    >>> m.blocks = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+    >>> list(candidate_stacks(m))
+    ['blocks']
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import sys
+from collections import deque
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch.fx as fx
+from torch import nn
+
+from tread_fx.errors import (
+    AmbiguousBlockStackError,
+    BlockStackNotFoundError,
+    TokenStreamError,
+    shown,
+)
+from tread_fx.passes.locate.dataflow import data_ancestors
+from tread_fx.passes.locate.token_major import channels_last
+from tread_fx.passes.trace.tracer import MODEL_PREFIX, TensorMeta, TracedCall
+
+__all__ = [
+    "shown",
+    "argument_name",
+    "candidate_stacks",
+    "resolve_block_lists",
+    "block_leaf_paths",
+    "main_input",
+    "block_calls",
+    "choose_stack",
+    "ancestors",
+    "forward_path",
+    "input_slots",
+    "argument_items",
+    "refuse_hierarchical_stages",
+]
+
+
+def candidate_stacks(model: nn.Module) -> dict[str, nn.Module]:
+    """Return containers (ModuleList/Sequential) of >= 2 modules that all share one class.
+
+    Without any, ModuleLists of >= 2 modules of different classes (hybrid stacks that
+    interleave attention and scan layers, Jamba-style): data flow then decides whether their
+    members hand the token stream on, and same-class stays the preference.
+    """
+    found, mixed = {}, {}
+    for path, module in model.named_modules():
+        is_container = isinstance(module, (nn.ModuleList, nn.Sequential))
+        if is_container and len(module) >= 2 and len({_block_class(c) for c in module}) == 1:
+            found[path] = module
+        elif isinstance(module, nn.ModuleList) and len(module) >= 2:
+            mixed[path] = module
+    return found or mixed
+
+
+def _block_class(module: nn.Module) -> type:
+    """A member's class; a member compiled on its own (``torch.compile(block)``, dynamo's
+    ``OptimizedModule``) counts as the class it wraps."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is not None and isinstance(module, eval_frame.OptimizedModule):
+        return _block_class(module._orig_mod)
+    return type(module)
+
+
+def resolve_block_lists(
+    model: nn.Module, blocks: str | Sequence[str] | nn.Module | None
+) -> list[str]:
+    """Turn the user's ``blocks=`` into container paths, or all candidates when ``None``."""
+    if blocks is None:
+        return list(candidate_stacks(model))
+    items = [blocks] if isinstance(blocks, (str, nn.Module)) else list(blocks)
+    names = {id(m): p for p, m in model.named_modules()}
+    paths = []
+    for item in items:
+        path = names.get(id(item)) if isinstance(item, nn.Module) else item
+        if not isinstance(path, str):
+            raise BlockStackNotFoundError(
+                f"blocks= was given {item!r}, which is not a submodule of "
+                f"{type(model).__name__}; pass an attribute path such as 'blocks'."
+            )
+        try:
+            container = model.get_submodule(path)
+        except AttributeError:
+            raise BlockStackNotFoundError(
+                f"blocks={path!r} was asked for, but {type(model).__name__} has no submodule "
+                f"at that path; candidates are {sorted(candidate_stacks(model)) or 'none'}."
+            ) from None
+        if not isinstance(container, (nn.ModuleList, nn.Sequential)) or len(container) == 0:
+            raise BlockStackNotFoundError(
+                f"blocks={path!r} is a {type(container).__name__}, not a non-empty "
+                "ModuleList/Sequential of blocks; name the container that holds the blocks."
+            )
+        paths.append(path)
+    return paths
+
+
+def _is_nested_member(module: nn.Module) -> bool:
+    """A member that is itself a list of sub-blocks called in turn (``for attn, ff in
+    self.layers``): a ModuleList is never called as a whole."""
+    return isinstance(module, nn.ModuleList) and len(module) > 0
+
+
+def block_leaf_paths(model: nn.Module, list_paths: Iterable[str]) -> set[str]:
+    """Return the paths of every member of the given containers (traced as leaves); for a
+    member that is a list of sub-blocks, the paths of its sub-blocks, entering lists nested in
+    it (``ModuleList([norms, block, residual])`` whose ``norms`` is a list again)."""
+    paths = set()
+    for p in list_paths:
+        for name, member in model.get_submodule(p).named_children():
+            path = f"{p}.{name}" if p else name
+            paths |= _sub_block_paths(member, path) if _is_nested_member(member) else {path}
+    return paths
+
+
+def _sub_block_paths(member: nn.Module, path: str) -> set[str]:
+    paths = set()
+    for sub, child in member.named_children():
+        if child is None:
+            continue
+        nested = isinstance(child, nn.ModuleList)
+        paths |= _sub_block_paths(child, f"{path}.{sub}") if nested else {f"{path}.{sub}"}
+    return paths
+
+
+def ancestors(node: fx.Node, stop: set[fx.Node]) -> set[fx.Node]:
+    """Nodes whose values reach ``node`` (dtype/device/shape-only uses such as
+    ``mask.type_as(x)`` do not count: :mod:`tread_fx.passes.locate.dataflow`)."""
+    return data_ancestors(node, stop)
+
+
+def block_calls(traced: TracedCall, list_paths: list[str]) -> dict[str, list[fx.Node]]:
+    """Calls of each container's members, in order; for a member that is a list of
+    sub-blocks, its first sub-block call at any depth (the block boundary is the first call
+    into it)."""
+    calls: dict[str, list[fx.Node]] = {p: [] for p in list_paths}
+    entered: set[str] = set()
+    for node in traced.gm.graph.nodes:
+        if node.op != "call_module":
+            continue
+        target = node.target[len(MODEL_PREFIX) :]
+        parent = target.rpartition(".")[0]
+        if parent in calls:
+            calls[parent].append(node)
+            continue
+        member = _nested_member_of(target, calls)
+        if member is None or not _is_nested_member(traced.wrapper.model.get_submodule(member)):
+            continue  # a call into a plain block's submodule from outside it (DiT's norm1.emb)
+        if member not in entered:
+            entered.add(member)
+            calls[member.rpartition(".")[0]].append(node)
+    return calls
+
+
+def _nested_member_of(target: str, lists: dict) -> str | None:
+    """The member ``<list>.<i>`` of the innermost listed container that ``target`` lies in,
+    below the member itself; ``None`` when it lies in none."""
+    parts = target.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        if ".".join(parts[: cut - 1]) in lists:
+            return ".".join(parts[:cut])
+    return None
+
+
+def _valid_sequence(model: nn.Module, path: str, nodes: list[fx.Node]) -> bool:
+    """Members called once each, in order, each on what the one before computed: parallel
+    calls on one input (patch embedders at several scales, per-branch heads) are no stack."""
+    names = [n for n, _ in model.get_submodule(path).named_children()]
+    start = len(MODEL_PREFIX) + (len(path) + 1 if path else 0)
+    called = [n.target[start:].split(".")[0] for n in nodes]  # member i (of a nested one too)
+    if called != names:
+        return False
+    return all(a in ancestors(b, {a}) for a, b in zip(nodes, nodes[1:]))
+
+
+def _shape_distance(a: object, b: object) -> int | None:
+    """0: same shape; 1: same rank, one dim differs (channels, a learned sigma); else None."""
+    if not (isinstance(a, TensorMeta) and isinstance(b, TensorMeta)) or len(a.shape) != len(
+        b.shape
+    ):
+        return None
+    differing = sum(x != y for x, y in zip(a.shape, b.shape))
+    return differing if differing <= 1 else None
+
+
+def main_input(graph: fx.Graph) -> fx.Node:
+    """The model's main input: the noisy sample, whose shape the prediction has.
+
+    The tensor input with the shape of the first output (exactly, else up to one dim such as
+    the channels of a learned-sigma prediction) is the noisy input; a text or conditioning
+    input never has that shape. Without such an input, the first tensor input.
+    """
+    inputs = [n for n in graph.nodes if n.op == "placeholder"]
+    output = next(n for n in graph.nodes if n.op == "output")
+    first = next((a for a in _flat_nodes(output.args)), None)
+    out_meta = first.meta.get("tread_meta") if first is not None else None
+    ranked = [
+        (d, i) for i, n in enumerate(inputs)
+        if (d := _shape_distance(n.meta.get("tread_meta"), out_meta)) is not None
+    ]  # fmt: skip
+    return inputs[min(ranked)[1]] if ranked else inputs[0]
+
+
+def _flat_nodes(value: object) -> list[fx.Node]:
+    if isinstance(value, fx.Node):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [n for v in value for n in _flat_nodes(v)]
+    if isinstance(value, dict):
+        return [n for v in value.values() for n in _flat_nodes(v)]
+    return []
+
+
+def _fed_by(node: fx.Node, source: fx.Node) -> bool:
+    return node is source or source in ancestors(node, set())
+
+
+def argument_items(node: fx.Node) -> list[tuple[tuple, Any]]:
+    """``(("arg", i), value)`` and ``(("kwarg", name), value)`` for each argument of a call."""
+    items = [(("arg", i), a) for i, a in enumerate(node.args)]
+    return items + [(("kwarg", k), a) for k, a in node.kwargs.items()]
+
+
+def argument_name(block: Any, key: tuple) -> str:
+    """The parameter name of ``block.forward`` that a slot fills (``"arg{i}"`` if unknown).
+
+    Blocks called positionally (diffusers' gradient checkpointing passes everything by
+    position) are described by the same names as when called by keyword.
+    """
+    if key[0] == "kwarg":
+        return key[1]
+    try:
+        params = list(inspect.signature(block.forward).parameters.values())
+    except (TypeError, ValueError):
+        return f"arg{key[1]}"
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return positional[key[1]].name if key[1] < len(positional) else f"arg{key[1]}"
+
+
+def input_slots(node: fx.Node) -> dict[tuple, fx.Node]:
+    """Map each argument position of ``node`` that holds a node to that node: ``("arg", i)``
+    or ``("kwarg", name)``, then ``(..., j, ...)`` into nested tuples
+    (``image_rotary_emb=((cos, sin), None)``)."""
+    slots: dict[tuple, fx.Node] = {}
+    items = argument_items(node)
+    while items:
+        key, arg = items.pop(0)
+        if isinstance(arg, fx.Node):
+            slots[key] = arg
+        elif isinstance(arg, (tuple, list)):
+            items += [((*key, j), a) for j, a in enumerate(arg)]
+    return slots
+
+
+def _stream_fed_by(nodes: list[fx.Node], primary: fx.Node) -> bool:
+    """Whether the value a list's blocks hand on to each other comes from ``primary``.
+
+    A text refiner also receives tables computed from the main input (RoPE built by a module
+    that reads the image shape), but what it hands from block to block is the text.
+    """
+    if len(nodes) < 2:
+        return _fed_by(nodes[0], primary)
+    first = input_slots(nodes[0])
+    handed = [k for k, v in input_slots(nodes[1]).items() if k in first and _fed_by(v, nodes[0])]
+    if not handed:
+        return _fed_by(nodes[0], primary)
+    return any(_fed_by(first[k], primary) for k in handed)
+
+
+def _chains(
+    model: nn.Module, calls: dict[str, list[fx.Node]], primary: fx.Node | None = None
+) -> list[list[str]]:
+    valid = [p for p, nodes in calls.items() if nodes and _valid_sequence(model, p, nodes)]
+    # a list whose blocks never see the model's main input (a text refiner, a perceiver over
+    # reference embeddings) neither heads nor competes with the stack the noisy input flows
+    # through; when no list sees it (an unusual argument order) all stay candidates
+    fed = [p for p in valid if primary is not None and _stream_fed_by(calls[p], primary)]
+    valid = fed or valid
+    order = {n: i for i, n in enumerate(calls[valid[0]][0].graph.nodes)} if valid else {}
+    valid.sort(key=lambda p: order[calls[p][0]])
+    chains: list[list[str]] = []
+    for path in valid:
+        for chain in chains:
+            last = calls[chain[-1]][-1]
+            first = calls[path][0]
+            joined = order[first] > order[last] and last in ancestors(first, set())
+            if joined and _same_form(chain[-1], path, calls):
+                chain.append(path)
+                break
+        else:
+            chains.append([path])
+    return chains
+
+
+def _same_form(before: str, after: str, calls: dict[str, list[fx.Node]]) -> bool:
+    """Whether two lists called one after the other carry one stream: the value each hands
+    from block to block has the same rank and width. A conv list on ``[B, C, H, W]`` feeding
+    a token list, or encoder blocks at width 64 feeding decoder blocks at 512 through a
+    projection, are different stacks. Unclear forms (one block, several values) join."""
+    a, b = _handed_stream([before], calls), _handed_stream([after], calls)
+    if a is None or b is None:
+        return True
+    return len(a.shape) == len(b.shape) and a.shape[-1] == b.shape[-1]
+
+
+def _form_break(chains: list[list[str]], calls: dict[str, list[fx.Node]]) -> str:
+    """``"encoder: [2, 16, 32]; decoder: [2, 16, 48]"`` when the chains (in call order)
+    carry streams of different forms; empty when they do not."""
+    metas = {p: _handed_stream([p], calls) for chain in chains for p in chain}
+    known = {p: m for p, m in metas.items() if m is not None}
+    forms = {(len(m.shape), m.shape[-1]) for m in known.values()}
+    return "; ".join(f"{p}: {list(m.shape)}" for p, m in known.items()) if len(forms) > 1 else ""
+
+
+def _feature_map(model: nn.Module, chain: list[str], calls: dict[str, list[fx.Node]]) -> bool:
+    """Whether a chain's blocks hand on a feature map (``[B, C, H, W]`` read by convolutions
+    on dim 1, or a value of rank 5 and more) rather than a token sequence."""
+    meta = _handed_stream(chain, calls)
+    if meta is None:
+        return False
+    first = model.get_submodule(calls[chain[0]][0].target[len(MODEL_PREFIX) :])
+    rank = len(meta.shape)
+    return rank > 4 or (rank == 4 and not channels_last(first, tuple(meta.shape)))
+
+
+def _hand_off_hops(chain: list[str], calls: dict[str, list[fx.Node]]) -> int:
+    """Ops on the paths from each block of ``chain`` to the next (fewest: the main stack)."""
+    nodes = [n for path in chain for n in calls[path]]
+    return sum(len(forward_path(a, b)) for a, b in zip(nodes, nodes[1:]))
+
+
+def _choose_chain(model: nn.Module, chains: list[list[str]], calls, explicit: bool) -> list[str]:
+    if explicit:
+        if len(chains) > 1 and (widths := _form_break(chains, calls)):
+            raise BlockStackNotFoundError(
+                f"blocks= named {' + '.join(c for chain in chains for c in chain)}, which carry "
+                f"streams of different forms\n({widths}): one route cannot span the "
+                "change (a projection between them); name the lists of one form, e.g. "
+                f"blocks={chains[0] if len(chains[0]) > 1 else chains[0][0]!r}."
+            )
+        if len(chains) != 1:
+            raise BlockStackNotFoundError(
+                f"blocks= named {sorted(calls)}, but their members are not called once each, "
+                "in order, one container after the other; name only the block containers "
+                "of the main stack, in call order."
+            )
+        return chains[0]
+    if not chains:
+        raise BlockStackNotFoundError(
+            f"no block stack found in {type(model).__name__}: no ModuleList/Sequential of "
+            f"same-class modules is called once per member in order (candidates: "
+            f"{sorted(calls) or 'none'}). Pass blocks='<attribute path>' to route()."
+        )
+    # a list of conv blocks around an attention encoder never beats a token list
+    chains = [c for c in chains if not _feature_map(model, c, calls)] or chains
+    size = lambda chain: sum(len(calls[p]) for p in chain)
+    best = max(size(c) for c in chains)
+    top = [c for c in chains if size(c) == best]
+    if len(top) > 1 and _interleaving(top, calls):  # both carry the stream: more to save
+        top = _most_tokens(top, calls)
+    if len(top) > 1:  # the stack hands the stream straight on; a side branch takes detours
+        hops = {tuple(c): _hand_off_hops(c, calls) for c in top}
+        top = [c for c in top if hops[tuple(c)] == min(hops.values())]
+    if len(top) > 1:
+        choices = " or ".join(f"blocks={c[0]!r}" if len(c) == 1 else f"blocks={c}" for c in top)
+        raise AmbiguousBlockStackError(
+            f"several block stacks of {best} blocks qualify in {type(model).__name__}: "
+            f"{[' + '.join(c) for c in top]} ({'; '.join(_describe(c, calls) for c in top)})"
+            f"{_interleaving(top, calls)}; pass {choices} to route() to choose one."
+        )
+    return top[0]
+
+
+def _handed_stream(chain: list[str], calls: dict[str, list[fx.Node]]) -> TensorMeta | None:
+    """The value a chain's first block hands on to its second (its token stream), if it is
+    one tensor with at least a batch, a token and a feature dim."""
+    nodes = [n for path in chain for n in calls[path]]
+    if len(nodes) < 2:
+        return None
+    first = input_slots(nodes[0])
+    slots = [k for k, v in input_slots(nodes[1]).items() if k in first and _fed_by(v, nodes[0])]
+    metas = [first[k].meta.get("tread_meta") for k in slots]
+    metas = [m for m in metas if isinstance(m, TensorMeta) and len(m.shape) >= 3]
+    return metas[0] if len(metas) == 1 else None
+
+
+def _most_tokens(chains: list[list[str]], calls: dict[str, list[fx.Node]]) -> list[list[str]]:
+    """Interleaved stacks of equal length both carry the main stream (reshaped in between,
+    e.g. spatial ``[B * F, N, C]`` and temporal ``[B * N, F, C]`` blocks): keep the one
+    whose stream has the most tokens (dim 1), where routing saves the most; all of them
+    when the counts tie or a stream's shape is unclear (the data flow cannot tell)."""
+    metas = [_handed_stream(c, calls) for c in chains]
+    if any(m is None for m in metas):
+        return chains
+    counts = [m.shape[1] for m in metas]
+    best = [c for c, n in zip(chains, counts) if n == max(counts)]
+    return best if len(best) == 1 else chains
+
+
+def _describe(chain: list[str], calls: dict[str, list[fx.Node]]) -> str:
+    """``path: 4 blocks, [8, 16, 32] (16 tokens)``: the stream its first block hands on (else
+    the largest tensor entering that block)."""
+    first = calls[chain[0]][0]
+    metas = [
+        m for a in first.all_input_nodes if isinstance(m := a.meta.get("tread_meta"), TensorMeta)
+    ]
+    shapes = [tuple(m.shape) for m in metas if len(m.shape) >= 2]
+    count = sum(len(calls[p]) for p in chain)
+    if not shapes:
+        return f"{' + '.join(map(shown, chain))}: {count} blocks"
+    handed = _handed_stream(chain, calls)
+    shape = tuple(handed.shape) if handed else max(shapes, key=lambda sh: math.prod(sh))
+    tokens = f" ({shape[1]} tokens)" if len(shape) >= 3 else ""
+    return f"{' + '.join(map(shown, chain))}: {count} blocks on {list(shape)}{tokens}"
+
+
+def _interleaving(chains: list[list[str]], calls: dict[str, list[fx.Node]]) -> str:
+    """A note when the stacks' blocks alternate (factorised spatial/temporal attention)."""
+    order = {n: i for i, n in enumerate(calls[chains[0][0]][0].graph.nodes)}
+    spans = [(order[calls[c[0]][0]], order[calls[c[-1]][-1]]) for c in chains]
+    if not any(a[0] < b[0] < a[1] for a in spans for b in spans if a != b):
+        return ""
+    return (
+        ". Their blocks are interleaved: one stream alternates between them, reshaped in "
+        "between (e.g. spatial attention over the tokens of each frame, temporal attention "
+        "over the frames of each position, the batch folded with frames or positions); "
+        "a route over one stack also runs the other stack's blocks on the kept tokens"
+    )
+
+
+def forward_path(source: fx.Node, target: fx.Node) -> list[fx.Node]:
+    """Nodes after ``source`` on the shortest user-path to ``target`` (empty if same)."""
+    parents: dict[fx.Node, fx.Node | None] = {source: None}
+    queue = deque([source])
+    while queue and target not in parents:
+        node = queue.popleft()
+        for user in node.users:
+            if user not in parents:
+                parents[user] = node
+                queue.append(user)
+    path = []
+    node = target if target in parents else source
+    while node is not source:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
+def choose_stack(
+    model: nn.Module, calls: dict, primary: fx.Node | None, explicit: bool
+) -> list[str]:
+    """The chain of container paths that is the block stack (refuses with the reason)."""
+    return _choose_chain(model, _chains(model, calls, primary), calls, explicit)
+
+
+def refuse_hierarchical_stages(model: nn.Module, blocks: list[Any]) -> None:
+    """Refuse a stack of hierarchical stages: members that hold block lists of their own and
+    hand on a stream of another shape than they take (a windowed backbone's stages merging
+    patches between them). The route belongs inside one stage; the error names its list.
+
+    Args:
+        model: The model.
+        blocks: The located ``BlockCall``s, their stream slots assigned.
+    """
+    members = [b for b in blocks if b.path.rpartition(".")[0] == b.list_path]  # not nested
+    for block in members:
+        before = block.stream_in.meta.get("tread_meta") if block.stream_in is not None else None
+        after = block.stream_out.meta.get("tread_meta") if block.stream_out is not None else None
+        if not (isinstance(before, TensorMeta) and isinstance(after, TensorMeta)):
+            continue
+        if before.shape[:-1] == after.shape[:-1]:
+            continue
+        inner = [
+            f"{b.path}.{p}" for b in members for p in candidate_stacks(model.get_submodule(b.path))
+        ]
+        if not inner:
+            return
+        raise TokenStreamError(
+            f"the blocks of {block.list_path!r} are hierarchical stages, not a stack of blocks\n"
+            f"{block.path} takes the stream as {list(before.shape)} and hands it on as "
+            f"{list(after.shape)}, and the stages hold their own block lists ({inner}); a "
+            "route cannot span stages whose token count changes. Route inside one stage, "
+            f"e.g. blocks={inner[0]!r}."
+        )

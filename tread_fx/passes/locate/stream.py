@@ -1,0 +1,508 @@
+"""Pass 2 — locate: find the block stack and the token stream that flows through it.
+
+The block stack is chosen by :mod:`tread_fx.passes.locate.stacks` (re-exported here). The token
+stream is found by data flow: the value block ``i`` hands to block ``i + 1`` that descends
+from the model's main input.
+
+Example:
+    >>> import torch
+    >>> from tread_fx.passes.locate.stream import candidate_stacks
+    >>> m = torch.nn.Module()
+    >>> m.blocks = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+    >>> list(candidate_stacks(m))
+    ['blocks']
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch import nn
+
+from tread_fx.errors import TokenStreamError
+from tread_fx.passes.locate.joint import joint_parts
+from tread_fx.passes.locate.member_entry import handed_into_member
+from tread_fx.passes.locate.packed import check_one_packed_stream, is_packed, packed_layout
+from tread_fx.passes.locate.stacks import (
+    ancestors,
+    block_calls,
+    block_leaf_paths,
+    candidate_stacks,
+    choose_stack,
+    forward_path,
+    input_slots,
+    main_input,
+    refuse_hierarchical_stages,
+    resolve_block_lists,
+    shown,
+)
+from tread_fx.passes.locate.stream_lists import unpack_handed_containers
+from tread_fx.passes.locate.token_major import check_stream_rank
+from tread_fx.passes.trace.tracer import MODEL_PREFIX, TensorMeta, TracedCall
+
+__all__ = [
+    "BlockCall",
+    "StreamInfo",
+    "candidate_stacks",
+    "resolve_block_lists",
+    "block_leaf_paths",
+    "locate",
+    "main_input",
+    "input_slots",
+    "output_slots",
+]
+
+SlotKey = tuple  # ("arg", i) | ("kwarg", name), then (..., j, ...) into nested tuples
+
+
+@dataclass
+class BlockCall:
+    """One call of one block in the stack.
+
+    Attributes:
+        index: Position in the (possibly chained) stack, from 0.
+        node: The ``call_module`` node.
+        path: Module path relative to the model, e.g. ``"blocks.3"``.
+        list_path: Path of the container holding the block.
+        in_slot: Where the token stream enters the block's arguments.
+        out_slot: Where it leaves the block's return value (``None``: the value itself).
+        stream_in: The node passed in ``in_slot``.
+        stream_out: The node holding the stream after the block.
+    """
+
+    index: int
+    node: fx.Node
+    path: str
+    list_path: str
+    in_slot: SlotKey
+    out_slot: tuple | None = None
+    stream_in: fx.Node | None = None
+    stream_out: fx.Node | None = None
+
+
+@dataclass
+class StreamInfo:
+    """What the locate pass found: the block stack and the token stream's layout."""
+
+    blocks: list[BlockCall]
+    list_paths: list[str]
+    batch_dim: int
+    token_dim: int
+    batch_size: int
+    num_tokens: int
+    prefix: int
+    stream_meta: TensorMeta
+    primary: fx.Node
+    carried: dict[str, dict[tuple, SlotKey]] = field(default_factory=dict)
+    stream_after: fx.Node | None = None
+    form_cuts: set[int] = field(default_factory=set)  # blocks a route split ends before
+    folded: int = 1  # dim 0 holds batch_size * folded rows (frames or positions folded in)
+    suffix: int = (
+        0  # trailing tokens never routed (text behind the image: tread_fx/passes/locate/joint.py)
+    )
+    choice: Any = None  # how the stream was chosen (tread_fx/passes/locate/choice.py StreamChoice)
+
+    @property
+    def depth(self) -> int:
+        return len(self.blocks)
+
+
+def output_slots(node: fx.Node) -> dict[tuple, fx.Node]:
+    """Map ``("item", k)`` / ``("attr", name)`` to the users that unpack ``node``'s result."""
+    slots = {}
+    for user in node.users:
+        is_item = user.op == "call_function" and user.target is operator.getitem
+        if is_item and isinstance(user.args[1], (int, str)):  # not a tensor's x[:, :n] slice
+            slots[("item", user.args[1])] = user
+        elif user.op == "call_function" and user.target is getattr:
+            slots[("attr", user.args[1])] = user
+    return slots
+
+
+def locate(
+    traced: TracedCall,
+    model: nn.Module,
+    list_paths: list[str],
+    explicit: bool,
+    keep_prefix: int | None = None,
+    primary: fx.Node | None = None,
+) -> StreamInfo:
+    """Find the block stack and the token stream in a traced call.
+
+    Args:
+        traced: The output of the trace pass (block containers' members traced as leaves).
+        model: The model (for container contents and ``num_prefix_tokens``).
+        list_paths: Candidate container paths (all candidates, or the user's ``blocks=``).
+        explicit: Whether ``list_paths`` came from the user.
+        keep_prefix: Number of leading tokens never routed; ``None`` detects it.
+        primary: The model input whose stream is routed (``None``: the input shaped like
+            the first output; :mod:`tread_fx.passes.locate.choice` tries each candidate).
+
+    Returns:
+        The :class:`StreamInfo`.
+    """
+    calls = block_calls(traced, list_paths)
+    primary = main_input(traced.gm.graph) if primary is None else primary
+    chain = choose_stack(model, calls, None if explicit else primary, explicit)
+    unpack_handed_containers(traced.gm, [node for path in chain for node in calls[path]])
+    while True:
+        nodes = [(path, node) for path in chain for node in calls[path]]
+        blocks = [
+            BlockCall(i, node, node.target[len(MODEL_PREFIX) :], path, ())
+            for i, (path, node) in enumerate(nodes)
+        ]
+        block_nodes = {b.node for b in blocks}
+        try:
+            _assign_stream_slots(blocks, primary, block_nodes)
+            break
+        except _UnclearHandOff as err:
+            if explicit:
+                raise
+            # the stream's way into a later list is unclear (CaiT's class-attention blocks
+            # take (tokens, cls)): the stack ends before that list
+            chain = chain[: chain.index(err.list_path)]
+    refuse_hierarchical_stages(model, blocks)
+    carried = {p: _carried_slots([b for b in blocks if b.list_path == p]) for p in chain}
+    meta = blocks[0].stream_in.meta.get("tread_meta")
+    if not isinstance(meta, TensorMeta):
+        raise TokenStreamError(
+            f"no token sequence flows through {', '.join(map(shown, chain))}: the value entering "
+            f"block {blocks[0].path} is {meta!r}, not a tensor; pass blocks= naming a container "
+            "whose blocks take token sequences."
+        )
+    first = model.get_submodule(blocks[0].path)
+    listed = _list_batch(traced, primary)
+    if is_packed(meta.shape, blocks[0].node, blocks[0].stream_in, _batch_of(primary, listed)):
+        check_one_packed_stream(blocks[0].node, first, blocks[0].path, blocks[0].stream_in, primary)
+        batch_dim, token_dim, batch, folded = packed_layout(meta.shape)
+    else:
+        check_stream_rank(first, blocks[0].path, chain, meta.shape)
+        batch_dim, token_dim, batch, folded = _layout(meta, primary, listed)
+    num_tokens = meta.shape[token_dim]
+    prefix, suffix = joint_parts(
+        model, keep_prefix, blocks[0].stream_in, primary, token_dim, num_tokens
+    )
+    return StreamInfo(
+        blocks,
+        chain,
+        batch_dim,
+        token_dim,
+        batch,
+        num_tokens,
+        prefix,
+        meta,
+        primary,
+        carried,
+        _stream_after_last(blocks),
+        folded=folded,
+        suffix=suffix,
+    )
+
+
+def _stream_after_last(blocks: list[BlockCall]) -> fx.Node:
+    """The stream after the last block, following the same ops that lead from block i to i+1.
+
+    With the residual add outside the blocks (``x = x + block(x)``), block ``i``'s output is
+    not the stream; the ops from block ``depth-2``'s output to block ``depth-1``'s input
+    (e.g. one ``add``) are replayed after the last block.
+    """
+    last = blocks[-1]
+    if len(blocks) < 2 or blocks[-2].list_path != last.list_path:
+        return last.stream_out
+    path = forward_path(blocks[-2].stream_out, last.stream_in)
+    node = last.stream_out
+    # sub-blocks of a nested member (``layers.{i}.1``) replay as the last member's own
+    same = lambda t: (
+        t.replace(_member_of(blocks[-2]), _member_of(last), 1) if isinstance(t, str) else t
+    )
+    for step in path:
+        matches = [u for u in node.users if (u.op, u.target) == (step.op, same(step.target))]
+        if len(matches) != 1:
+            return last.stream_out
+        node = matches[0]
+    return node
+
+
+def _member_of(block: BlockCall) -> str:
+    """``model.<list>.<i>.``: the prefix of every module path inside the block's member."""
+    index = block.path[len(block.list_path) :].lstrip(".").split(".")[0]
+    prefix = f"{block.list_path}.{index}." if block.list_path else f"{index}."
+    return MODEL_PREFIX + prefix
+
+
+def _tensor_slots(node: fx.Node) -> dict[SlotKey, fx.Node]:
+    return {
+        k: n
+        for k, n in input_slots(node).items()
+        if isinstance(n.meta.get("tread_meta"), TensorMeta) and len(n.meta["tread_meta"].shape) >= 2
+    }
+
+
+def _first_stream_slot(
+    block: BlockCall, primary: fx.Node, block_nodes: set, following: BlockCall | None
+) -> SlotKey:
+    """The argument of the first block that holds the stream: fed by the main input and,
+    among those, handed on from block to block (a per-token modulation or a mask built
+    from the input is passed unchanged to every block); the largest such tensor."""
+    slots = _tensor_slots(block.node)
+    if not slots:
+        raise TokenStreamError(
+            f"block {block.path} receives no tensor of rank >= 2; nothing to route."
+        )
+    from_primary = [k for k, n in slots.items() if n is primary or primary in ancestors(n, set())]
+    pool = from_primary or list(slots)
+    if following is not None and following.list_path == block.list_path:
+        next_in = input_slots(following.node)
+        is_handed = lambda k: (
+            k in next_in and block.node in ancestors(next_in[k], block_nodes) | {next_in[k]}
+        )
+        handed = [k for k in pool if is_handed(k)]
+        if from_primary and not handed:
+            _refuse_latents(block, slots, from_primary, [k for k in slots if is_handed(k)])
+        pool = handed or pool
+    return max(pool, key=lambda k: _num_elements(slots[k]))
+
+
+def _refuse_latents(block: BlockCall, slots: dict, from_input: list, handed: list) -> None:
+    """Refuse blocks that hand on a value not computed from the model's input while the input
+    reaches them only unchanged, in every block (a perceiver's learned latents attending to
+    the input as context)."""
+    if not handed:
+        return
+    shape = lambda k: list(slots[k].meta["tread_meta"].shape)
+    raise TokenStreamError(
+        f"the blocks of {block.list_path!r} process values not computed from the input's "
+        f"tokens (learned latents?)\n{block.path} hands on {_slot_name(handed[0])} "
+        f"{shape(handed[0])} from block to block; "
+        "the model's input reaches every block unchanged as "
+        f"{_slot_name(from_input[0])} {shape(from_input[0])} (a cross-attention context, as in a"
+        " perceiver). TREAD routes the tokens of the input's stream through the blocks; there "
+        "are none here. Route a backbone whose blocks carry the input's tokens, or pass blocks= "
+        "naming such a list."
+    )
+
+
+def _slot_name(key: SlotKey) -> str:
+    return f"argument {key[1]}" if key[0] == "arg" else f"{key[1]}="
+
+
+def _num_elements(node: fx.Node) -> int:
+    size = 1
+    for s in node.meta["tread_meta"].shape:
+        size *= s
+    return size
+
+
+def _depends_on(node: fx.Node, outputs: dict[tuple, fx.Node], block_nodes: set) -> list[tuple]:
+    reach = ancestors(node, block_nodes) | {node}
+    return [key for key, out in outputs.items() if out in reach]
+
+
+def _out_slot(block: BlockCall, following: BlockCall | None, block_nodes: set) -> tuple | None:
+    if isinstance(block.node.meta.get("tread_meta"), TensorMeta):
+        return None
+    outs = output_slots(block.node)
+    if following is not None and following.list_path == block.list_path:
+        following_in = input_slots(following.node).get(block.in_slot)
+        keys = _depends_on(following_in, outs, block_nodes) if following_in is not None else []
+        if len(keys) == 1:
+            return keys[0]
+    shape = block.stream_in.meta["tread_meta"].shape
+    same = [k for k, n in outs.items() if getattr(n.meta.get("tread_meta"), "shape", None) == shape]
+    if len(same) != 1:
+        raise TokenStreamError(
+            f"cannot tell which output of block {block.path} carries the token stream "
+            f"(outputs {sorted(map(str, outs))}); pass blocks= with the main stack only, or "
+            "register an adapter."
+        )
+    return same[0]
+
+
+class _UnclearHandOff(TokenStreamError):
+    """Which argument of a later list's first block continues the stream is unclear."""
+
+    def __init__(self, list_path: str, message: str) -> None:
+        super().__init__(message)
+        self.list_path = list_path
+
+
+def _assign_stream_slots(blocks: list[BlockCall], primary: fx.Node, block_nodes: set) -> None:
+    for i, block in enumerate(blocks):
+        prev = blocks[i - 1] if i else None
+        if prev is None:
+            following = blocks[1] if len(blocks) > 1 else None
+            block.in_slot = _first_stream_slot(block, primary, block_nodes, following)
+        elif prev.list_path == block.list_path:
+            block.in_slot = prev.in_slot
+        else:
+            slots = _tensor_slots(block.node)
+            keys = [
+                k for k, n in slots.items() if prev.stream_out in ancestors(n, block_nodes) | {n}
+            ]
+            keys = _same_form_as_first(keys, slots, blocks[0]) if len(keys) > 1 else keys
+            following = blocks[i + 1] if i + 1 < len(blocks) else None
+            keys = _handed_within(block, following, keys, block_nodes) if len(keys) > 1 else keys
+            if len(keys) != 1:
+                raise _UnclearHandOff(
+                    block.list_path,
+                    f"cannot tell which argument of block {block.path} continues the token "
+                    f"stream of block {prev.path} (candidates {keys}); pass blocks= explicitly, "
+                    f"e.g. blocks={prev.list_path!r} to route only the blocks before it.",
+                )
+            block.in_slot = keys[0]
+            _check_handed_on(block, blocks[i + 1] if i + 1 < len(blocks) else None, block_nodes)
+        slots = input_slots(block.node)
+        if block.in_slot not in slots:
+            raise TokenStreamError(
+                f"block {block.path} is not called with a token stream in {block.in_slot} like "
+                "the blocks before it; route() needs blocks called the same way."
+            )
+        block.stream_in = handed_into_member(block, prev, slots[block.in_slot], block_nodes)
+        following = blocks[i + 1] if i + 1 < len(blocks) else None
+        last_of_list = following is None or following.list_path != block.list_path
+        outs = output_slots(block.node)
+        if last_of_list and _returns_like(block, prev, outs):
+            block.out_slot = prev.out_slot  # the last block is called like the ones before it
+        else:  # (members of several kinds: attention returns a tuple, a feed-forward a tensor)
+            block.out_slot = _out_slot(block, following, block_nodes)
+        block.stream_out = block.node if block.out_slot is None else outs[block.out_slot]
+
+
+def _handed_within(
+    block: BlockCall, following: BlockCall | None, keys: list, block_nodes: set
+) -> list:
+    """Of several arguments fed by the previous list, the one the new list hands on from its
+    block to the next: a U-ViT's out blocks take ``(x, skip)``, both from the in blocks, and
+    hand ``x`` on among themselves."""
+    if following is None or following.list_path != block.list_path:
+        return keys
+    next_in = input_slots(following.node)
+    reach = lambda k: ancestors(next_in[k], block_nodes) | {next_in[k]}
+    handed = [k for k in keys if k in next_in and block.node in reach(k)]
+    return handed or keys
+
+
+def _returns_like(block: BlockCall, prev: BlockCall | None, outs: dict) -> bool:
+    """Whether ``block`` returns the stream where ``prev`` of the same list does."""
+    if prev is None or prev.list_path != block.list_path:
+        return False
+    if prev.out_slot is None:
+        return isinstance(block.node.meta.get("tread_meta"), TensorMeta)
+    return prev.out_slot in outs
+
+
+def _same_form_as_first(keys: list, slots: dict, first: BlockCall) -> list:
+    """Of several arguments fed by the previous list, the one shaped like the stack's stream.
+
+    A list after single blocks over ``[text | image]`` may take the two parts split off again
+    (``text, image = x[:, :T], x[:, T:]``): both descend from the previous stream, the image
+    part has the first block's stream shape. A longer joint stream is told from a mask fed
+    by it by its rank and channel count.
+    """
+    shape = first.stream_in.meta["tread_meta"].shape
+    shapes = {k: getattr(slots[k].meta.get("tread_meta"), "shape", ()) for k in keys}
+    same = [k for k in keys if shapes[k] == shape]
+    if len(same) == 1:
+        return same
+    # a longer stream ([text | image | padding]) keeps the rank and the channel count
+    alike = [k for k in keys if len(shapes[k]) == len(shape) and shapes[k][-1:] == shape[-1:]]
+    return alike if len(alike) == 1 else keys
+
+
+def _check_handed_on(block: BlockCall, following: BlockCall | None, block_nodes: set) -> None:
+    """A later list continues the stack only if its blocks hand the stream on: CaiT's
+    class-attention blocks take the same token stream each and hand on the class token."""
+    if following is None or following.list_path != block.list_path:
+        return
+    value = input_slots(following.node).get(block.in_slot)
+    if value is None or block.node not in ancestors(value, block_nodes) | {value}:
+        raise _UnclearHandOff(
+            block.list_path,
+            f"the blocks of {block.list_path} do not hand the token stream on from one to the "
+            f"next (block {following.path} receives in {block.in_slot} a value that does not "
+            f"come from block {block.path}); pass blocks= naming the lists that do.",
+        )
+
+
+def _carried_slots(blocks: list[BlockCall]) -> dict[tuple, SlotKey]:
+    """Map each output slot of a block to the input slot of the next block it feeds."""
+    if len(blocks) < 2 or isinstance(blocks[0].node.meta.get("tread_meta"), TensorMeta):
+        return {None: blocks[0].in_slot}
+    outs = output_slots(blocks[0].node)
+    nodes = {b.node for b in blocks}
+    carried = {}
+    for key, node in input_slots(blocks[1].node).items():
+        deps = _depends_on(node, outs, nodes)
+        if len(deps) == 1:
+            carried[deps[0]] = key
+    return carried
+
+
+def _list_batch(traced: TracedCall, primary: fx.Node) -> int | None:
+    """The length of the list of per-sample tensors that ``primary`` belongs to, if any.
+
+    A model called with ``[x_0, ..., x_{B-1}]`` as its main input has batch size ``B``, not
+    the first dim of one sample.
+    """
+    placeholders = [n for n in traced.gm.graph.nodes if n.op == "placeholder"]
+    if primary not in placeholders or len(placeholders) != len(traced.tensor_positions):
+        return None
+    leaf = traced.tensor_positions[placeholders.index(primary)]
+    count = traced.in_spec.num_leaves
+    args, kwargs = pytree.tree_unflatten(list(range(count)), traced.in_spec)
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, (list, tuple)) and leaf in value:
+            return len(value) if all(isinstance(v, int) for v in value) else None
+    return None
+
+
+def _batch_of(primary: fx.Node, listed: int | None) -> int | None:
+    """The batch size the main input tells: a list's length, or dim 0 of a tensor of rank 3
+    or more (``None`` for a [tokens, dim] input: packed tokens or per-sample vectors)."""
+    if listed is not None:
+        return listed
+    meta = primary.meta.get("tread_meta")
+    return meta.shape[0] if isinstance(meta, TensorMeta) and len(meta.shape) >= 3 else None
+
+
+def _layout(
+    meta: TensorMeta, primary: fx.Node, listed: int | None = None
+) -> tuple[int, int, int, int]:
+    """(batch dim, token dim, batch size, rows folded per sample) of the stream.
+
+    A stream whose dim 0 holds a multiple of the batch (``[B * F, N, C]``: frames or
+    positions folded into the batch) is routed per folded row with one selection shared by
+    all rows, so every folded sequence of every sample keeps the same tokens (blocks that
+    mix the folded sequences, temporal attention across frames, then see consistent ones).
+    """
+    pmeta = primary.meta.get("tread_meta")
+    batch = pmeta.shape[0] if isinstance(pmeta, TensorMeta) and pmeta.shape else meta.shape[0]
+    batch = listed if listed is not None else batch  # a list of per-sample tensors
+    rows, folded = meta.shape[0], 1
+    if rows == batch:
+        layout = 0, 1, batch
+    elif meta.shape[1] == batch:
+        layout = 1, 0, batch
+    elif rows > batch and rows % batch == 0:
+        layout, folded = (0, 1, rows), rows // batch
+    else:
+        raise TokenStreamError(
+            f"the token stream has shape {tuple(meta.shape)}, but the batch size {batch} (dim 0 "
+            "of the first input) is in neither of its first two dims nor folded into dim 0; "
+            "tread_fx needs [B, N, ...], [N, B, ...] or [B * F, N, ...] streams: pass blocks= "
+            "naming a stack whose blocks see the batch, or route a model that keeps it (a main "
+            "input given as a list of per-sample tensors has the list's length as batch size)."
+        )
+    if meta.shape[layout[1]] < 2:
+        raise TokenStreamError(
+            f"the token stream has shape {tuple(meta.shape)}: sequences of "
+            f"{meta.shape[layout[1]]} token (dim {layout[1]}"
+            + (f"; dim 0 folds {folded} sequences per sample into the batch" if folded > 1 else "")
+            + "), so routing would save nothing. Route a stack whose blocks see longer "
+            "sequences (pass blocks=), or drop the route."
+        )
+    return (*layout, folded)

@@ -1,0 +1,545 @@
+"""Pass 3 — plan: for one route, what enters, leaves and passes through the routed region.
+
+The region of route ``(s, e)`` is every node that depends on block ``s`` and feeds block ``e``
+(or the last block's outputs when ``e == depth``), found with networkx over the graph.
+Values entering the region are gathered (token stream, token-aligned side values) or passed
+through (conditioning, text streams); values leaving it are scattered back into their
+counterpart at the route start. Anything that looks token-aligned but matches no rule is
+refused in strict mode, naming it.
+
+Example:
+    >>> # plan_route is driven by tread_fx.pipeline.build; see tread_fx.explain for its output.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import networkx as nx
+import torch
+import torch.fx as fx
+
+from tread_fx.adapters import SideValue, StreamLayout, adapters
+from tread_fx.adapters.values import NO_BATCH_DIM
+from tread_fx.errors import InvalidRateError, SelectionError, SideInputError, TokenStreamError
+from tread_fx.passes.locate.dataflow import data_ancestors
+from tread_fx.passes.locate.layout import (
+    check_no_token_tables_inside,
+    check_one_stream_length,
+    crossing_prefix,
+    ends_where_stream_changes,
+    family_slots,
+    grid_arguments,
+    non_token_carried,
+    stream_prefix,
+)
+from tread_fx.passes.locate.member_entry import member_prologue, stream_entering
+from tread_fx.passes.locate.packed import check_packed_strategy, segment_boundaries
+from tread_fx.passes.locate.stacks import argument_items, argument_name
+from tread_fx.passes.locate.stream import BlockCall, StreamInfo, input_slots, output_slots
+from tread_fx.passes.plan.inner_uses import inner_call_uses
+from tread_fx.passes.plan.region_uses import batch_broadcast, side_use
+from tread_fx.passes.plan.token_counts import count_arguments
+from tread_fx.passes.plan.uses import how_used, reached_ops, route_uses, shape_warning
+from tread_fx.passes.trace.tracer import TensorMeta
+from tread_fx.routes import Route
+from tread_fx.runtime.selection import Strategy, kept_units
+
+__all__ = ["Crossing", "RoutePlan", "plan_route", "graph_to_networkx"]
+
+_ELEMENTWISE = {operator.add, operator.iadd, operator.mul, operator.imul, operator.sub,
+                operator.isub, torch.add, torch.mul, torch.sub, "add", "mul", "sub", "add_",
+                "mul_", "sub_"}  # fmt: skip
+
+
+@dataclass
+class Crossing:
+    """A value crossing the region boundary and what the rewrite does with it.
+
+    Attributes:
+        node: The value.
+        action: ``"gather"``, ``"pass"``, ``"scatter"`` or an adapter function.
+        reason: The rule that decided (shown by ``explain``).
+        users: For entering values, the region nodes using it; for leaving values, the
+            nodes after the region using it.
+        counterpart: For scattered values, the full-size value at the route start.
+        options: Extra keyword arguments of an adapter function (decided at plan time).
+        shares_selection: The adapter needs the route's selection shared across the batch.
+        prefix_shift: For the scattered token stream of a route that crosses a concatenation
+            of other tokens in front of it: their count (they leave processed, never routed).
+        segments: The value holds a packed stream's segment boundaries (``"offsets"`` or
+            ``"ids"``), as the rule that decided says.
+    """
+
+    node: fx.Node
+    action: Any
+    reason: str
+    users: list[fx.Node] = field(default_factory=list)
+    counterpart: fx.Node | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+    shares_selection: bool = False
+    segments: str | None = None
+    prefix_shift: int = 0  # scattered stream: tokens concatenated in front inside the route
+
+
+@dataclass
+class RoutePlan:
+    """Everything the rewrite pass needs for one route."""
+
+    route: Route
+    index: int
+    start_block: BlockCall
+    end_block: BlockCall | None
+    stream_start: fx.Node
+    stream_end: fx.Node
+    region: set[fx.Node]
+    entering: list[Crossing]
+    leaving: list[Crossing]
+    layout: StreamLayout
+    units: int
+    keep_units: int
+    kept_tokens: int
+    shared_selection: bool = False
+    height_args: list[tuple] = field(default_factory=list)
+    count_args: list[tuple] = field(default_factory=list)  # (block, slot, kept count)
+    change: Any = None  # later piece of a split route: the FormChange at its start
+    pieces: list[RoutePlan] = field(default_factory=list)  # first piece: the later ones
+    segments: tuple[fx.Node, str] | None = None  # packed stream: (boundaries, their kind)
+
+
+def graph_to_networkx(graph: fx.Graph) -> nx.DiGraph:
+    """Data-flow graph of an fx graph: an edge from each input node to its user."""
+    g = nx.DiGraph()
+    for node in graph.nodes:
+        g.add_node(node)
+        g.add_edges_from((a, node) for a in node.all_input_nodes)
+    return g
+
+
+def _is_token_aligned(meta: Any, layout: StreamLayout) -> bool:
+    if not isinstance(meta, TensorMeta) or len(meta.shape) <= max(
+        layout.batch_dim, layout.token_dim
+    ):
+        return False
+    shape = meta.shape
+    batched = layout.batch_dim == NO_BATCH_DIM or shape[layout.batch_dim] == layout.batch_size
+    return batched and shape[layout.token_dim] == layout.num_tokens
+
+
+def _looks_token_aligned(side: SideValue) -> bool:
+    """Any dim (but a batch dim of size B) has N, N - prefix or the routable count of
+    entries, e.g. a [N, d] table."""
+    metas = side.meta if isinstance(side.meta, (tuple, list)) else (side.meta,)
+    layout = side.stream
+    sizes = layout.token_counts
+    return any(
+        isinstance(m, TensorMeta)
+        and any(
+            s in sizes
+            for d, s in enumerate(m.shape)
+            if not (d == layout.batch_dim and s == layout.batch_size)
+        )
+        for m in metas
+    )
+
+
+def _region(g: nx.DiGraph, info: StreamInfo, route: Route) -> tuple[set, fx.Node, fx.Node]:
+    start = info.blocks[route.start]
+    stream_start = stream_entering(start)
+    if route.end < info.depth and not ends_where_stream_changes(info, route):
+        end = info.blocks[route.end]
+        stream_end = stream_entering(end)
+        # a member's own code before its first call runs after the scatter, on all tokens
+        upstream = nx.ancestors(g, end.node) - member_prologue(g, end)
+    else:
+        last = info.blocks[route.end - 1]
+        after = info.stream_after if route.end == info.depth else None
+        stream_end = after or last.stream_out
+        tensor = isinstance(last.node.meta.get("tread_meta"), TensorMeta)  # x[i] is no unpacking
+        outs = {last.node} if tensor else set(output_slots(last.node).values()) or {last.node}
+        outs |= {stream_end}
+        upstream = set().union(*(nx.ancestors(g, o) | {o} for o in outs))
+    entry = member_prologue(g, start) | {start.node}  # the member's code before its call
+    region = set().union(*(nx.descendants(g, n) | {n} for n in entry)) & upstream
+    if stream_end not in region:
+        raise TokenStreamError(
+            f"the token stream entering block {route.end} does not come from block "
+            f"{route.start}; route ({route.start}, {route.end}) does not span a chain of blocks."
+        )
+    return region, stream_start, stream_end
+
+
+def _dict_keys_holding(block: Any, user: fx.Node, node: fx.Node) -> set[str]:
+    """``argument.key`` for each dict argument through which a block receives ``node``:
+    ``attention_kwargs.attention_mask``, ``rotary_emb.query`` (hints for messages and user
+    adapters; no built-in rule reads them)."""
+    return {
+        f"{argument_name(block, slot)}.{k}"
+        for slot, a in argument_items(user)
+        if isinstance(a, dict)
+        for k, v in a.items()
+        if v is node
+    }
+
+
+def _side_value(g, node, users, region, info, layout, block_nodes, ctx) -> SideValue:
+    names, classes = set(), set()
+    uses, stream_start = ctx
+    receiving = {u: uses.get(u) for u in users if u in block_nodes}
+    use = side_use(node, receiving, region, (stream_start, block_nodes), layout)
+    for user in users:
+        if user in block_nodes:
+            for key, arg in input_slots(user).items():
+                if arg is node:
+                    names.add(argument_name(block_nodes[user], key))
+            names |= _dict_keys_holding(block_nodes[user], user, node)
+            classes.add(type(block_nodes[user]))
+    combined = any(
+        u.op in ("call_function", "call_method")
+        and u.target in _ELEMENTWISE
+        and any(a in region for a in u.all_input_nodes)
+        for u in users
+    )
+    meta = node.meta.get("tread_meta")
+    use = use.value if use is not None else None
+    return SideValue(
+        node=node,
+        meta=meta,
+        arg_names=frozenset(names),
+        block_classes=frozenset(classes),
+        stream=layout,
+        token_aligned=_is_token_aligned(meta, layout),
+        from_stream=node is info.primary or nx.has_path(g, info.primary, node),
+        combined_with_stream=combined,
+        from_inputs=_from_inputs(node),
+        use=use,
+        reaches=frozenset(reached_ops(node, receiving)),
+        batch_broadcast=batch_broadcast(node, region, stream_start, layout),
+        primary=info.primary,
+    )
+
+
+def _from_inputs(node: fx.Node) -> bool:
+    """Whether a model input's values (not only its shape, dtype or device) reach ``node``."""
+    return node.op == "placeholder" or any(
+        a.op == "placeholder" for a in data_ancestors(node, set())
+    )
+
+
+def _classify_entering(side: SideValue, users, carried_slot, family, strict: bool) -> Crossing:
+    node = side.node
+    if carried_slot is not None:
+        if carried_slot in family:
+            return Crossing(node, "gather", f"carried token stream {carried_slot}", users)
+        return Crossing(node, "pass", f"carried non-token stream {carried_slot}", users)
+    for adapter in adapters():
+        if adapter.matches(side):
+            options = adapter.options(side) if adapter.options is not None else {}
+            reason = f"adapter '{adapter.name}'"
+            if adapter.builtin and adapter.by_shape_only:
+                reason += " (by its shape: its use is not seen)"
+                warnings.warn(shape_warning(side, adapter.name), stacklevel=2)
+            shares, segments = adapter.shares_selection, adapter.segments
+            return Crossing(node, adapter.action, reason, users, None, options, shares, segments)
+    notes = [f"{a.name}: {n}" for a in adapters() if a.diagnose and (n := a.diagnose(side))]
+    if side.token_aligned or _looks_token_aligned(side) or notes:
+        shape = getattr(side.meta, "shape", side.meta)
+        message = (
+            f"value '{node.name}' with shape {shape} enters the routed blocks "
+            f"{sorted(side.arg_names) or '(used inside the region)'} and looks token-aligned "
+            f"({side.stream.num_tokens} tokens), but no rule says how to fit it to the kept "
+            "tokens. Register a tread_fx.adapters.Adapter for it (action 'gather' or 'pass'), "
+            "or pass strict=False to gather token-aligned values and pass the rest."
+        )
+        message += how_used(side)
+        if notes:
+            message += " Rules meant for it declined: " + "; ".join(notes) + "."
+        if strict:
+            raise SideInputError(message)
+        warnings.warn(message, stacklevel=2)
+        action = "gather" if side.token_aligned else "pass"
+        return Crossing(node, action, "non-strict guess", users)
+    return Crossing(node, "pass", "not token-aligned", users)
+
+
+def _entering(g, plan_args, region, info, layout, strict) -> list[Crossing]:
+    start, stream_start, uses = plan_args
+    block_nodes = {b.node: _module_of(b) for b in info.blocks}
+    inner = {n: n.graph.owning_module.get_submodule(n.target) for n in uses if n not in block_nodes}
+    block_nodes |= inner  # module calls inside the routed blocks receive values too
+    start_slots = {n: k for k, n in input_slots(start.node).items()}
+    family = family_slots(g, info, start)
+    carried = set(info.carried.get(start.list_path, {}).values())
+    crossings, seen = [], {}
+    for node in sorted(region, key=_topo_index):
+        for arg in node.all_input_nodes:
+            if arg not in region:
+                seen.setdefault(arg, []).append(node)
+    for value, users in seen.items():
+        if value is stream_start:
+            crossings.append(Crossing(value, "gather", "token stream", users))
+            continue
+        slot = start_slots.get(value)
+        side = _side_value(g, value, users, region, info, layout, block_nodes, (uses, stream_start))
+        carried_slot = slot if slot in carried and start.node in users else None
+        crossings.append(_classify_entering(side, users, carried_slot, family, strict))
+    return crossings
+
+
+def _leaving(region, info, route, stream, entering, layout, non_token=frozenset()) -> list:
+    stream_start, stream_end = stream
+    start = info.blocks[route.start]
+    start_slots = input_slots(start.node)
+    gathered = {c.node for c in entering if c.action != "pass"}
+    counterparts = _carried_counterparts(info, route, start_slots)
+    crossings = []
+    for node in sorted(region, key=_topo_index):
+        outside = [u for u in node.users if u not in region and (u.users or u.op == "output")]
+        if not outside:  # dead unpacking (RWKV's unused `attentions` item) is not a use
+            continue
+        meta = node.meta.get("tread_meta")
+        if node is stream_end:
+            crossings.append(Crossing(node, "scatter", "token stream", outside, stream_start))
+        elif node in counterparts and counterparts[node] in gathered:
+            crossings.append(
+                Crossing(node, "scatter", "carried token stream", outside, counterparts[node])
+            )
+        elif node in non_token:
+            crossings.append(Crossing(node, "pass", "carried non-token stream", outside))
+        elif _is_token_aligned(meta, layout) and meta == stream_start.meta.get("tread_meta"):
+            crossings.append(
+                Crossing(node, "scatter", "stream-shaped value", outside, stream_start)
+            )
+        elif _is_token_aligned(meta, layout) or _holds_token_aligned(meta, layout):
+            users = ", ".join(u.name for u in outside)
+            raise SideInputError(
+                f"value '{node.name}' with shape {_shape_text(meta)} is computed "
+                f"inside route ({route.start}, {route.end}) on the kept tokens only and used "
+                f"after it by {users}, but it has no counterpart at the route start to scatter "
+                "into. Choose a route that does not split it (end the route before it is "
+                "produced or after it is consumed), or pass blocks= to exclude that code."
+            )
+        else:
+            crossings.append(Crossing(node, "pass", "not token-aligned", outside))
+    return crossings
+
+
+def _shape_text(meta: Any) -> Any:
+    """A value's shape for messages; a tuple's item shapes (``((2, 65, 32), (2, 17, 64))``)."""
+    if isinstance(meta, (tuple, list)):
+        return tuple(getattr(m, "shape", m) for m in meta)
+    return getattr(meta, "shape", meta)
+
+
+def _holds_token_aligned(meta: Any, layout: StreamLayout) -> bool:
+    return isinstance(meta, (tuple, list)) and any(_is_token_aligned(m, layout) for m in meta)
+
+
+def _carried_counterparts(info: StreamInfo, route: Route, start_slots) -> dict[fx.Node, fx.Node]:
+    """Map values that re-enter a carried slot at the route end to that slot at the start."""
+    start = info.blocks[route.start]
+    pairs = {}
+    if route.end < info.depth:
+        end = info.blocks[route.end]
+        if end.list_path == start.list_path:
+            for key, node in input_slots(end.node).items():
+                if key in start_slots and key != start.in_slot:
+                    pairs[node] = start_slots[key]
+    else:
+        last = info.blocks[-1]
+        for out_key, node in output_slots(last.node).items():
+            in_key = info.carried.get(last.list_path, {}).get(out_key)
+            if in_key in start_slots and in_key != start.in_slot:
+                pairs[node] = start_slots[in_key]
+    return pairs
+
+
+def _module_of(block: BlockCall) -> Any:
+    gm = block.node.graph.owning_module
+    return gm.get_submodule(block.node.target) if gm is not None else None
+
+
+def _topo_index(node: fx.Node) -> int:
+    index = node.graph.__dict__.setdefault("_tread_index", {})
+    if node not in index:
+        index.clear()
+        index.update({n: i for i, n in enumerate(node.graph.nodes)})
+    return index[node]
+
+
+def _height_arguments(info, route, layout: StreamLayout, strategy: Strategy, uses) -> list:
+    """Blocks told the patch grid's height: ints equal to the grid that the block uses to
+    reshape its tokens (in a block that cannot be traced through, by value alone)."""
+    heights = [
+        (node, slot)
+        for node, slot in grid_arguments(info, route, layout.grid)
+        if uses.get(node) is None or slot in uses[node].counts
+    ]
+    if heights and not strategy.needs_grid:
+        node, _ = heights[0]
+        *frames, h, w = layout.grid
+        told = f"frames={frames[0]}, height={h}" if frames else f"height={h}"
+        raise SelectionError(
+            f"block {node.target[len('model.') :]} receives the patch grid {told} and "
+            f"width={w} as numbers and reshapes its {math.prod(layout.grid)} tokens to that "
+            "grid, so it cannot run on a random subset; use selection='rows', which keeps "
+            "whole rows (of every frame) and tells the blocks the kept row count."
+        )
+    return heights
+
+
+def plan_route(
+    gm: fx.GraphModule,
+    info: StreamInfo,
+    route: Route,
+    index: int,
+    strategy: Strategy,
+    grid: tuple[int, int] | None,
+    strict: bool = True,
+    follows: RoutePlan | None = None,
+    change: Any = None,
+) -> RoutePlan:
+    """Plan one (resolved) route on the current graph.
+
+    Args:
+        gm: The traced (possibly already partly rewritten) GraphModule.
+        info: The located stream.
+        route: A resolved route (non-negative, ``start < end <= depth``).
+        index: The route's position among the model's routes.
+        strategy: The selection strategy.
+        grid: Patch grid (H, W) of the routable tokens, when known.
+        strict: Refuse token-aligned-looking values that no rule covers.
+        follows: For a later piece of a route split where the stream changes form
+            (:mod:`tread_fx.passes.plan.forms`): the route's first piece, whose selection it uses.
+        change: For a later piece: the ``FormChange`` at its start.
+
+    Returns:
+        The :class:`RoutePlan`.
+    """
+    gm.graph.__dict__.pop("_tread_index", None)
+    g = graph_to_networkx(gm.graph)
+    if follows is not None:
+        return _plan_piece(gm, g, info, route, follows, change, strict)
+    shift = crossing_prefix(g, info, route)
+    region, stream_start, stream_end = _region(g, info, route)
+    meta = stream_start.meta["tread_meta"]
+    layout = StreamLayout(
+        info.batch_dim,
+        info.token_dim,
+        _batch_size(info, meta.shape),
+        meta.shape[info.token_dim],
+        stream_prefix(g, info, info.blocks[route.start]),
+        grid if meta.shape[info.token_dim] == info.num_tokens else None,
+        info.suffix,  # a longer later stream keeps the image part (and its suffix) last
+        folded=info.folded,
+    )
+    start = info.blocks[route.start]
+    uses = _uses(gm, info, route, region, layout)
+    entering = _entering(g, (start, stream_start, uses), region, info, layout, strict)
+    non_token = non_token_carried(g, info, route)
+    leaving = _leaving(region, info, route, (stream_start, stream_end), entering, layout, non_token)
+    for crossing in leaving:
+        if crossing.node is stream_end:
+            crossing.prefix_shift = shift
+    units = strategy.units(layout.routable, grid)
+    keep = kept_units(units, route.rate)
+    if keep < 1 or units < 1:
+        raise InvalidRateError(
+            f"route ({route.start}, {route.end}) at rate {route.rate} keeps {keep} of {units} "
+            f"selectable units ({strategy.name}); lower the rate so at least one is kept."
+        )
+    if route.rate > 0 and units == 1:
+        raise TokenStreamError(
+            f"route ({route.start}, {route.end}): the stream has {layout.num_tokens} tokens, "
+            f"but only 1 selectable unit ({strategy.name}) once its never-routed "
+            f"{layout.prefix} leading and {layout.suffix} trailing tokens (not computed from "
+            "the main input: text, registers, condition tokens) are left out, so no rate can "
+            "route anything around. Route a stack whose blocks see more image tokens, pass "
+            "keep_prefix= if the prefix was detected wrongly, or drop the route."
+        )
+    if route.rate > 0 and keep >= units:
+        raise InvalidRateError(
+            f"route ({route.start}, {route.end}) at rate {route.rate} keeps all {units} "
+            f"selectable units ({strategy.name}; floor({units} * {route.rate}) = 0 routed "
+            "around): the routed blocks would see no fewer tokens and the route would save "
+            f"nothing. Raise the rate to at least {1 / units:.3g}, or drop the route."
+        )
+    heights = _height_arguments(info, route, layout, strategy, uses)
+    segments = segment_boundaries(entering) if layout.batch_size == 1 else None
+    if layout.batch_dim == NO_BATCH_DIM or segments is not None:
+        check_packed_strategy(strategy.name, strategy.needs_grid)
+    per_unit = layout.routable // units
+    kept_tokens = layout.prefix + keep * per_unit + layout.suffix
+    passed = {c.node for c in entering if c.action == "pass"}
+    name = lambda block, slot: argument_name(_module_of(block), slot)  # noqa: E731
+    counts = count_arguments(
+        info, route, layout.prefix, layout.suffix, kept_tokens, passed, name, set(heights), uses
+    )
+    end_block = info.blocks[route.end] if route.end < info.depth else None
+    return RoutePlan(
+        route,
+        index,
+        start,
+        end_block,
+        stream_start,
+        stream_end,
+        region,
+        entering,
+        leaving,
+        layout,
+        units,
+        keep,
+        kept_tokens,
+        any(c.shares_selection for c in entering),
+        heights,
+        count_args=counts,
+        segments=segments,
+    )
+
+
+def _uses(gm, info: StreamInfo, route: Route, region: set, layout: StreamLayout) -> dict:
+    """Uses of the values entering the route: by its blocks, and by the other module calls
+    inside them (the attention of a ``[norm, attention, residual]`` member)."""
+    uses = route_uses(gm, info.blocks[route.start : route.end], layout, info.token_dim)
+    blocks = {b.node for b in info.blocks}
+    return uses | inner_call_uses(gm, region, blocks, layout, info.token_dim)
+
+
+def _batch_size(info: StreamInfo, shape: tuple) -> int:
+    """The stream's batch size (1 for a packed stream, which has no batch dim)."""
+    return info.batch_size if info.batch_dim == NO_BATCH_DIM else shape[info.batch_dim]
+
+
+def _plan_piece(gm, g, info, route: Route, follows: RoutePlan, change, strict) -> RoutePlan:
+    """A later piece of a split route: the longer stream after a form change, gathered at the
+    places of the first piece's kept tokens and at every other token (never routed)."""
+    check_one_stream_length(info, route)
+    check_no_token_tables_inside(gm, info, route)
+    region, stream_start, stream_end = _region(g, info, route)
+    meta = stream_start.meta["tread_meta"]
+    shape = meta.shape
+    layout = StreamLayout(
+        info.batch_dim,
+        info.token_dim,
+        _batch_size(info, shape),
+        shape[info.token_dim],
+        0,
+        None,
+        folded=info.folded,
+    )
+    start = info.blocks[route.start]
+    uses = _uses(gm, info, route, region, layout)
+    entering = _entering(g, (start, stream_start, uses), region, info, layout, strict)
+    non_token = non_token_carried(g, info, route)
+    leaving = _leaving(region, info, route, (stream_start, stream_end), entering, layout, non_token)
+    end_block = info.blocks[route.end] if route.end < info.depth else None
+    kept = follows.kept_tokens + change.others.shape[1]
+    return RoutePlan(
+        route, follows.index, start, end_block, stream_start, stream_end, region, entering,
+        leaving, layout, follows.units, follows.keep_units, kept, follows.shared_selection,
+        change=change,
+    )  # fmt: skip

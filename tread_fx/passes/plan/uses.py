@@ -1,0 +1,441 @@
+"""What a value entering routed blocks is, decided by how the blocks use it (never its name).
+
+Each routed block class is traced through once on the real inputs it received while the
+model was traced (the machinery of :mod:`tread_fx.passes.plan.inline_tables`), with every int
+argument replaced by a tagged int that remembers where it came from. Each tensor input is
+then followed forward through the block's tensor data flow (a size read is no data), and
+the uses it meets decide what it is (first match in this order):
+
+- ``mask``: the ``attn_mask`` of ``scaled_dot_product_attention`` or
+  ``nn.MultiheadAttention``, added to ``q @ k^T`` scores (``+`` or ``baddbmm``) or combined
+  with the attention probabilities, the mask of ``masked_fill`` or ``where``: cut on every
+  token dim.
+- ``ids``: indexes an embedding or a table (``embedding``, ``index_select``, ``gather``,
+  advanced indexing): gathered.
+- ``table``: elementwise with the stream (or q/k) on a non-last dim of a token count
+  (RoPE cos/sin after a head split, gates, per-token modulation), or concatenated with the
+  stream beside its tokens: gathered on the token dim.
+- ``context``: a matmul/attention operand against the stream (cross-attention keys and
+  values, a weight of ``F.linear``), or concatenated to the stream along the tokens: passed.
+- ``unknown``: it meets the stream only in an op tread_fx cannot see into (a leaf module):
+  the rules decide by its shape against the stream and say so (:func:`shape_warning`).
+- ``none``: none of these (per-sample, global, unused): passed.
+
+An int argument is a count only if it sizes, slices or splits a token dim of a tensor
+computed from the stream (``view``/``reshape``/``unflatten`` of its token dim,
+``x[:, -n:]``, ``split``, ``narrow``); any other int (a head dim equal to the token count
+by coincidence) is never rewritten (:mod:`tread_fx.passes.plan.count_slots`). A block that cannot
+be traced through has no uses (``None``). Module calls inside a routed block that are no block
+of the stack (the attention of a ``[norm, attention, residual]`` member) are decided the same
+way (:func:`call_uses`, :mod:`tread_fx.passes.plan.inner_uses`), and so are the tables a block
+builds itself (:func:`built_table_uses`, :mod:`tread_fx.passes.plan.inline_tables`).
+
+Names play no part here (nor anywhere a side value is decided); the plan shows them as hints.
+
+Example:
+    >>> Use.MASK.value
+    'mask'
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any
+
+import torch.fx as fx
+from torch import nn
+
+from tread_fx.adapters.values import SideValue, TensorMeta
+from tread_fx.passes.locate.stream import BlockCall, input_slots
+from tread_fx.passes.plan.count_slots import count_slots, tagged_example
+from tread_fx.passes.trace.block import example_of, is_tensorish, trace_through
+
+__all__ = [
+    "Use",
+    "BlockUses",
+    "block_uses",
+    "built_table_uses",
+    "call_uses",
+    "route_uses",
+    "reached_ops",
+    "value_uses",
+    "how_used",
+    "shape_warning",
+]
+
+
+class Use(str, Enum):
+    """What a block does with a value (see the module docstring)."""
+
+    MASK = "mask"
+    TABLE = "table"
+    IDS = "ids"
+    CONTEXT = "context"
+    UNKNOWN = "unknown"
+    NONE = "none"
+
+
+_ORDER = (Use.MASK, Use.IDS, Use.TABLE, Use.CONTEXT, Use.UNKNOWN)
+
+
+_SDPA = "scaled_dot_product_attention"
+_MATMUL = {"matmul", "bmm", "baddbmm", "einsum", "__matmul__", "linear"}
+_SCORE_PATH = {"mul", "div", "truediv", "__mul__", "__truediv__", "float", "to", "type_as",
+               "contiguous", "add", "__add__", "iadd", "add_", "mul_", "div_",
+               "softmax"}  # fmt: skip
+_MASK_FILL = {"masked_fill", "masked_fill_", "where"}
+_ELEMENTWISE = {"add", "sub", "mul", "div", "truediv", "iadd", "isub", "imul", "add_", "sub_",
+                "mul_", "div_", "addcmul", "__add__", "__sub__", "__mul__", "__truediv__",
+                "__radd__", "__rmul__", "__rsub__", "lerp"}  # fmt: skip
+_INDEX = {"embedding", "index_select", "take_along_dim", "gather"}
+_CAT = {"cat", "concat", "concatenate", "stack"}
+
+
+def _name(node: fx.Node) -> str:
+    return "module" if node.op == "call_module" else _op_name(node)
+
+
+def _op_name(node: fx.Node) -> str:
+    """The op's name, a leaf module's path for messages."""
+    target = node.target
+    if node.op == "call_module":
+        return str(target).removeprefix("model.")
+    return target if isinstance(target, str) else getattr(target, "__name__", str(target))
+
+
+def _meta(value: Any) -> Any:
+    return value.meta.get("tread_meta") if isinstance(value, fx.Node) else None
+
+
+def _shape(value: Any) -> tuple[int, ...] | None:
+    meta = _meta(value)
+    return meta.shape if isinstance(meta, TensorMeta) else None
+
+
+class BlockUses:
+    """The uses found in one traced-through block (see :func:`block_uses`).
+
+    Attributes:
+        tensors: ``(node, path)`` of each tensor input of the block call -> its use.
+        counts: Int argument slots of the call that size a token dim.
+        ops: ``(node, path)`` -> names of the ops in the block that read it first (for
+            refusals: what an unclassified value reaches).
+    """
+
+    def __init__(self, tensors: dict[tuple, Use], counts: set[tuple], ops: dict) -> None:
+        self.tensors = tensors
+        self.counts = counts
+        self.ops = ops
+
+
+def _forward(start: fx.Node, within: set[fx.Node] | None = None) -> set[fx.Node]:
+    """``start`` and the tensors computed from its data (a size read from it is no data),
+    only among the nodes ``within`` if given."""
+    seen, todo = set(), [start]
+    while todo:
+        node = todo.pop()
+        if node not in seen:
+            seen.add(node)
+            todo.extend(
+                u
+                for u in node.users
+                if (within is None or u in within) and is_tensorish(u.meta.get("tread_meta"))
+            )
+    return seen
+
+
+def _is_scores(node: fx.Node, stream: set[fx.Node], depth: int = 4) -> bool:
+    """``node`` is (a scaling or softmax of) a product of two stream-derived values
+    (q @ k^T): attention scores or probabilities, a token-by-token map."""
+    name = _name(node)
+    if name in _MATMUL:
+        return sum(a in stream for a in node.all_input_nodes) >= 2
+    if depth == 0 or name not in _SCORE_PATH:
+        return False
+    return any(_is_scores(a, stream, depth - 1) for a in node.all_input_nodes if a in stream)
+
+
+def _aligned(mine, theirs, tokens: set[int], skip: Any = None) -> bool:
+    """Right-aligned, a dim other than the last (features) and ``skip`` (a concatenation's)
+    where both have the same token count."""
+    if mine is None or theirs is None:
+        return False
+    if isinstance(skip, int):
+        skip = skip - len(theirs) if skip >= 0 else skip
+    pairs = list(zip(range(-1, -len(theirs) - 1, -1), reversed(mine), reversed(theirs)))[1:]
+    return any(a == b and a in tokens and d != skip for d, a, b in pairs)
+
+
+def _tensor_use(node: fx.Node, reach: set[fx.Node], stream: set[fx.Node], ctx) -> Use | None:
+    """The use ``node`` (reached by the value, ``reach``) makes of it, if any."""
+    name, tokens, root = _name(node), ctx[0], ctx[1]
+    inputs = node.all_input_nodes
+    mine = [a for a in inputs if a in reach and a not in stream]
+    theirs = [a for a in inputs if a in stream and a not in reach]
+    if name == "module":
+        return _module_use(root.get_submodule(node.target), node, reach, theirs)
+    if name == _SDPA:
+        mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
+        if mask in reach:
+            return Use.MASK
+        return Use.CONTEXT if mine and theirs else None
+    if name in _MASK_FILL and len(node.args) > 1:
+        cond = node.args[0] if name == "where" else node.args[1]
+        return Use.MASK if cond in reach and theirs else None
+    if name in _INDEX or name == "getitem":
+        table = node.args[1] if name == "embedding" else node.args[0]
+        index = [a for a in inputs if a is not table]
+        return Use.IDS if table not in reach and any(a in reach for a in index) else None
+    if name in _MATMUL and mine and theirs:
+        added = name == "baddbmm" and node.args[0] in mine  # baddbmm(bias, q, k^T)
+        return Use.MASK if added and _is_scores(node, stream) else Use.CONTEXT
+    if name in _ELEMENTWISE and mine and theirs:
+        if any(_is_scores(t, stream) for t in theirs):
+            return Use.MASK
+        if any(_aligned(_shape(a), _shape(t), tokens) for a in mine for t in theirs):
+            return Use.TABLE
+    if name in _CAT and mine and theirs:  # joined along the tokens: other tokens (text)
+        dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
+        if any(_aligned(_shape(a), _shape(t), tokens, dim) for a in mine for t in theirs):
+            return Use.TABLE
+        return Use.CONTEXT
+    if mine and theirs and name not in _ELEMENTWISE:
+        return Use.UNKNOWN  # an op tread_fx cannot see into meets it and the stream
+    return None
+
+
+def _module_use(module: nn.Module, node: fx.Node, reach: set, theirs: list) -> Use | None:
+    """Uses through torch.nn leaf modules: embeddings and multi-head attention."""
+    if isinstance(module, nn.Embedding):
+        return Use.IDS if node.args and node.args[0] in reach else None
+    if isinstance(module, nn.MultiheadAttention):
+        masks = [node.kwargs.get(k) for k in ("attn_mask", "key_padding_mask")]
+        if any(m in reach for m in masks if m is not None):
+            return Use.MASK
+        return Use.CONTEXT if theirs else None
+    return Use.UNKNOWN if theirs else None
+
+
+def _classify_tensor(start: fx.Node, stream: set[fx.Node], ctx) -> Use:
+    reach = _forward(start)
+    found = {u for n in reach if (u := _tensor_use(n, reach, stream, ctx)) is not None}
+    for use in _ORDER:
+        if use in found:
+            return use
+    return Use.NONE
+
+
+def _joined_lengths(graph: fx.Graph, stream: set[fx.Node], tokens: set[int]) -> set[int]:
+    """Token counts plus the lengths of stream-derived concatenations along a token dim
+    (text tokens joined in front of the image tokens inside a joint block)."""
+    tokens = set(tokens)
+    for node in graph.nodes:
+        if node in stream and _name(node) in ("cat", "concat", "concatenate") and node.args:
+            dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
+            parts = [a for a in node.args[0] if isinstance(a, fx.Node) and a in stream]
+            out = _shape(node)
+            sizes = [_shape(p) for p in parts]
+            if out and isinstance(dim, int) and any(z and z[dim] in tokens for z in sizes):
+                tokens.add(out[dim])
+    return tokens
+
+
+def _stream_context(gm: fx.GraphModule, starts: list[fx.Node], tokens: set[int]) -> tuple:
+    """(nodes computed from the stream inputs ``starts``, the classifier's context)."""
+    stream = set().union(*(_forward(s) for s in starts))
+    return stream, (_joined_lengths(gm.graph, stream, tokens), gm)
+
+
+def built_table_uses(
+    gm: fx.GraphModule, tables: list[fx.Node], stream_at: list[int], tokens: set[int]
+) -> dict[fx.Node, Use]:
+    """How a traced-through block uses tensors it builds itself (a bias from an index
+    buffer, a RoPE table from ``arange(N)``): the same rules as for its inputs.
+
+    Args:
+        gm: The block traced through (``block_trace.trace_through``).
+        tables: Nodes of ``gm`` computed without the block's inputs.
+        stream_at: Positions of the placeholders that carry the token stream.
+        tokens: Token counts of the routed stream.
+
+    Returns:
+        Each table's use (``mask``/``table``: cut on its token dims; ``context``/``none``:
+        not per token, a weight or a buffer used on the features).
+
+    Example:
+        >>> # see tread_fx.passes.plan.inline_tables.find_token_tables
+    """
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    stream, ctx = _stream_context(gm, [placeholders[i] for i in stream_at], tokens)
+    return {t: _classify_tensor(t, stream, ctx) for t in tables}
+
+
+def _class_uses(gm, node: fx.Node, stream_at, example: Any, leaves, tokens, token_dim):
+    """(use per flat tensor position, count slots, first ops) of one module class called at
+    ``node``, whose flat tensor inputs at ``stream_at`` carry the stream, or ``None``."""
+    module = gm.get_submodule(node.target)
+    traced = trace_through(module, tagged_example(example, node), inlined=False)
+    if traced is None:
+        return None
+    placeholders = [n for n in traced.gm.graph.nodes if n.op == "placeholder"]
+    if not stream_at or len(placeholders) != len(leaves):
+        return None
+    for i in stream_at:  # the call's own stream length counts too
+        own = _shape(placeholders[i])
+        tokens = tokens | ({own[token_dim]} if own and token_dim < len(own) else set())
+    stream, ctx = _stream_context(traced.gm, [placeholders[i] for i in stream_at], tokens)
+    tokens = ctx[0]
+    uses = [
+        Use.TABLE if i in stream_at else _classify_tensor(ph, stream, ctx)
+        for i, ph in enumerate(placeholders)
+    ]
+    counts = set().union(*(count_slots(n, tokens) for n in stream if n.op != "placeholder"))
+    ops = [frozenset(_op_name(u) for u in ph.users) for ph in placeholders]
+    return uses, counts, ops
+
+
+def call_uses(
+    gm: fx.GraphModule, node: fx.Node, stream: set[fx.Node], tokens: set[int], token_dim: int
+) -> BlockUses | None:
+    """The uses one module call makes of its inputs, the inputs in ``stream`` carrying the
+    token stream: the call's class traced through once per signature (cached on the graph).
+
+    Args:
+        gm: The model's traced graph (module calls still single nodes with example inputs).
+        node: A ``call_module`` node.
+        stream: Nodes holding the token stream (or values computed from it) at this call.
+        tokens: Token counts of the routed stream.
+        token_dim: The stream's token dim.
+
+    Returns:
+        The call's :class:`BlockUses`, or ``None`` when it cannot be traced through or no
+        input carries the stream.
+
+    Example:
+        >>> # see block_uses and tread_fx.passes.plan.inner_uses
+    """
+    by_class = gm.graph.__dict__.setdefault("_tread_uses", {})
+    kept = example_of(gm, node)
+    if kept is None:
+        return None
+    example, leaves = kept
+    stream_at = frozenset(i for i, (n, _) in enumerate(leaves) if n in stream)
+    module = gm.get_submodule(node.target)
+    key = (type(module), id(example), frozenset(tokens), token_dim, stream_at)
+    if key not in by_class:
+        by_class[key] = _class_uses(gm, node, stream_at, example, leaves, tokens, token_dim)
+    known = by_class[key]
+    if known is None:
+        return None
+    uses, counts, ops = known
+    return BlockUses(dict(zip(leaves, uses)), counts, dict(zip(leaves, ops)))
+
+
+def block_uses(
+    gm: fx.GraphModule, blocks: list[BlockCall], tokens: set[int], token_dim: int
+) -> dict[fx.Node, BlockUses | None]:
+    """Trace each block class through once on its example inputs and classify the inputs.
+
+    Args:
+        gm: The model's traced graph (block calls still single nodes with example inputs).
+        blocks: The routed blocks.
+        tokens: Token counts of the routed stream (N, N - prefix, the routable count).
+        token_dim: The stream's token dim (the block's own stream length counts too).
+
+    Returns:
+        Per block call node, its :class:`BlockUses`, or ``None`` when the block cannot be
+        traced through (on the first call of its class with this call's signature).
+
+    Example:
+        >>> # see tests/test_side_uses.py
+    """
+    return {
+        block.node: call_uses(gm, block.node, {_stream_of(block)}, tokens, token_dim)
+        for block in blocks
+    }
+
+
+def _stream_of(block: BlockCall) -> fx.Node:
+    return input_slots(block.node)[block.in_slot]
+
+
+def reached_ops(node: fx.Node, found: dict[fx.Node, BlockUses | None]) -> set[str]:
+    """Names of the block ops that read ``node`` first (for refusal messages).
+
+    Example:
+        >>> reached_ops(None, {})
+        set()
+    """
+    return {
+        op
+        for uses in found.values()
+        if uses is not None
+        for (n, _), ops in uses.ops.items()
+        if n is node
+        for op in ops
+    }
+
+
+def value_uses(node: fx.Node, found: dict[fx.Node, BlockUses | None]) -> Use | None:
+    """How the routed blocks use ``node`` (any of its tensors): the strongest use, or
+    ``None`` when a block receiving it could not be traced through.
+
+    Example:
+        >>> value_uses(None, {}) is None
+        True
+    """
+    uses = set()
+    for uses_of_block in found.values():
+        if uses_of_block is None:
+            continue
+        uses |= {u for (n, _), u in uses_of_block.tensors.items() if n is node}
+    if any(u is None for u in found.values()):
+        uses.discard(Use.NONE)  # a block that could not be traced through may use it
+    for use in (*_ORDER, Use.NONE):
+        if use in uses:
+            return use
+    return None
+
+
+def route_uses(gm: fx.GraphModule, blocks: list[BlockCall], layout: Any, token_dim: int) -> dict:
+    """:func:`block_uses` for a route's blocks, with the stream layout's token counts.
+
+    Example:
+        >>> # driven by tread_fx.passes.plan.route_plan.plan_route
+    """
+    tokens = layout.token_counts
+    return block_uses(gm, blocks, tokens, token_dim)
+
+
+def shape_warning(side: SideValue, rule: str) -> str:
+    """The warning for a value whose use the blocks do not show, decided by its shape.
+
+    Example:
+        >>> # see tests/test_side_uses.py (a key mask handed to a leaf module)
+    """
+    shape = getattr(side.meta, "shape", side.meta)
+    return (
+        f"value '{side.node.name}' with shape {shape} (received as {sorted(side.arg_names)}) "
+        f"was taken for per-token values by its shape (rule '{rule}'): its token rows are "
+        f"cut to the kept tokens.{how_used(side)} If it is not per token (another sequence "
+        "of the same length, a per-sample value), register a tread_fx.adapters.Adapter for "
+        "it (action 'pass')."
+    )
+
+
+def how_used(side: SideValue) -> str:
+    """What the blocks do with an unclassified value, for refusal messages.
+
+    Example:
+        >>> # see tests/test_adapters.py (a table handed to a leaf module)
+    """
+    if side.use in (None, Use.UNKNOWN.value):
+        if not side.reaches:
+            return " No block receiving it could be traced through to see how it is used."
+        ops = ", ".join(sorted(side.reaches))
+        return f" It meets the stream in {ops}, which tread_fx cannot see into."
+    ops = ", ".join(sorted(side.reaches)) or "nothing"
+    return (
+        f" The blocks use it in {ops}, none of which says which dims are tokens (no "
+        "attention mask, elementwise table, ids or attended context)."
+    )

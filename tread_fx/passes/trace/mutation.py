@@ -1,0 +1,183 @@
+"""Tracing support for forwards that mutate tensors or call type-checking libraries.
+
+Three things real forwards do that a plain fx trace cannot record:
+
+- **Item assignment** (``mask[:, :n] = 1``, ``ids[..., 1] = rows``): recorded as one
+  out-of-place :func:`functional_setitem` node, and the Python object that was assigned into
+  now stands for that node, so every later use reads the written tensor, in program order.
+- **In-place methods** (``x.add_(y)``, ``m.masked_fill_(...)``) are recorded as they are
+  (they run in order), and :func:`thread_inplace` makes every later user of the mutated value
+  read the in-place node's result instead, so data flow (what the planner sees) follows
+  the mutation.
+- **Library functions that type-check their arguments** (einops' ``rearrange`` rejects a
+  proxy): :func:`library_function_of` finds, in the traceback of the failed trace, the
+  library function the model's code called, so the tracer can make it a leaf function
+  (called on real values, one graph node) and trace again. No per-library code.
+
+Example:
+    >>> import torch
+    >>> functional_setitem(torch.zeros(2, 3), (slice(None), 1), 5.0)
+    tensor([[0., 5., 0.],
+            [0., 5., 0.]])
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from tread_fx.stages import own_file
+
+__all__ = [
+    "functional_setitem",
+    "thread_inplace",
+    "library_function_of",
+    "is_inplace_method",
+    "defining_modules",
+    "drop_unused_sizes",
+]
+
+
+def functional_setitem(tensor: torch.Tensor, key: Any, value: Any) -> torch.Tensor:
+    """``tensor[key] = value`` without touching ``tensor``: returns the written copy.
+
+    Python lists and dicts (a list of per-sample tensors) are copied the same way.
+    """
+    out = tensor.clone() if isinstance(tensor, torch.Tensor) else type(tensor)(tensor)
+    out[key] = value
+    return out
+
+
+def is_inplace_method(node: fx.Node) -> bool:
+    """Whether ``node`` calls an in-place tensor method (``add_``, ``copy_``, not ``__x__``)."""
+    target = node.target
+    return (
+        node.op == "call_method"
+        and isinstance(target, str)
+        and target.endswith("_")
+        and not target.endswith("__")
+    )
+
+
+def thread_inplace(graph: fx.Graph) -> int:
+    """Make later users of a value mutated in place read the in-place node instead.
+
+    In-place tensor methods return the tensor they mutate, so the rewiring changes no value;
+    it makes the graph's data flow say that later readers depend on the mutation.
+
+    Returns:
+        The number of in-place nodes threaded.
+    """
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    threaded = 0
+    for node in list(graph.nodes):
+        if not is_inplace_method(node) or not node.args or not isinstance(node.args[0], fx.Node):
+            continue
+        mutated = node.args[0]
+        later = [u for u in mutated.users if u is not node and order[u] > order[node]]
+        for user in later:
+            user.replace_input_with(mutated, node)
+        threaded += 1
+    return threaded
+
+
+def _is_library_file(filename: str) -> bool:
+    """A file of a library the model calls: not torch, the standard library or tread_fx."""
+    path = os.path.abspath(filename)
+    neutral = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.__file__) + os.sep)
+    return not path.startswith(neutral) and not own_file(path)
+
+
+def _function_of(frame: types.FrameType) -> Callable | None:
+    """The module-level function running in ``frame``, if it is one."""
+    fn = frame.f_globals.get(frame.f_code.co_name)
+    return fn if getattr(fn, "__code__", None) is frame.f_code else None
+
+
+def library_function_of(err: BaseException, model_files: set[str]) -> Callable | None:
+    """The library function the model's own code called when ``err`` was raised.
+
+    Walks the traceback to the last frame in the model's files (``model_files``); the next
+    frame, if it is a module-level function outside torch, tread_fx and the model's files,
+    is the library entry point that rejected a traced value.
+
+    Args:
+        err: The exception the trace raised.
+        model_files: Absolute paths of the files defining the model's classes.
+
+    Returns:
+        The function, or ``None`` when the failure is not in such a call.
+    """
+    frames = []
+    tb = err.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    files = [os.path.abspath(f.f_code.co_filename) for f in frames]
+    in_model = [i for i, f in enumerate(files) if f in model_files]
+    if not in_model or in_model[-1] + 1 >= len(frames):
+        return None
+    callee = frames[in_model[-1] + 1]
+    if not _is_library_file(callee.f_code.co_filename):
+        return None
+    return _function_of(callee)
+
+
+def defining_modules(fn: Callable) -> list[types.ModuleType]:
+    """The module defining ``fn`` and its parent packages (which re-export it, as
+    ``einops.rearrange`` does): the namespaces where fx must patch the name."""
+    parts = (getattr(fn, "__module__", "") or "").split(".")
+    names = [".".join(parts[: i + 1]) for i in range(len(parts))]
+    return [sys.modules[n] for n in names if n in sys.modules]
+
+
+def drop_unused_sizes(graph: fx.Graph) -> int:
+    """Remove ``x.size(i)`` nodes nobody reads (``x.shape`` traces every dim; most go unused).
+
+    Returns:
+        The number of nodes removed.
+    """
+    unused = [
+        n for n in graph.nodes if n.op == "call_method" and n.target == "size" and not n.users
+    ]
+    for node in reversed(unused):
+        graph.erase_node(node)
+    return len(unused)
+
+
+def module_flags(model: torch.nn.Module) -> dict[tuple[str, str], Any]:
+    """Every submodule's plain Python attributes (flags such as ``self.initialized``)."""
+    plain = (bool, int, float, str, type(None))
+    return {
+        (path, key): value
+        for path, module in model.named_modules()
+        for key, value in vars(module).items()
+        if isinstance(value, plain) and not key.startswith("__")
+    }
+
+
+def state_mutations(graph: fx.Graph) -> list[fx.Node]:
+    """In-place ops on module state (a parameter or buffer read with ``get_attr``): replayed
+    on every routed call, they would rescale a weight each step (and fail under autograd)."""
+    return [
+        n
+        for n in graph.nodes
+        if is_inplace_method(n) and isinstance(n.args[0], fx.Node) and n.args[0].op == "get_attr"
+    ]
+
+
+def side_effects(before: dict, model: torch.nn.Module, graph: fx.Graph) -> list[str]:
+    """What a trace did to the module: changed flags and in-place writes to its state."""
+    after = module_flags(model)
+    changed = [f"{p}.{k}" if p else k for (p, k) in before if after.get((p, k)) != before[(p, k)]]
+    writes = [
+        f"{n.args[0].target.removeprefix('model.')}.{n.target}() at {n.meta.get('tread_where')}"
+        for n in state_mutations(graph)
+    ]
+    return [f"attribute {c} changed" for c in changed] + [f"in-place {w}" for w in writes]

@@ -1,0 +1,405 @@
+"""Tracing aids for third-party models: what the value-carrying tracer patches while it runs.
+
+- :func:`report_grad_mode`: traced code sees the caller's grad mode although the trace runs
+  without grad (diffusers checkpoints blocks only when ``torch.is_grad_enabled()``).
+- :func:`factories_take_proxies`: ``torch.ones(b, n)`` with traced sizes, and every random
+  draw, become graph calls.
+- :func:`name_placeholders`: each tensor input's argument name (for messages, ``stream=``).
+- :func:`refuse_python_random`: Python-level random draws in traced code refuse to be baked in.
+- :func:`checkpoint_as_plain_call`: blocks called through activation checkpointing are traced
+  as plain, marked calls.
+- :class:`DataDependentError` and :func:`user_frame`: what those refusals raise, and where.
+
+Every patch goes through :func:`tread_fx.passes.trace.thread_patch.thread_local_patch`, so only the
+tracing thread sees it (a new tracing patch must use it too); :func:`trace_restoring_state`
+holds ``TRACING_LOCK`` (one trace at a time) and routes fx's own patching the same way.
+
+Example:
+    >>> # used by tread_fx.passes.trace.tracer.trace_call
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import os
+import random
+import sys
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from tread_fx.errors import UntraceableModelError
+from tread_fx.passes.trace.thread_patch import (
+    TRACING_LOCK,
+    fx_patches_in_this_thread,
+    thread_local_patch,
+    unpatched,
+)
+from tread_fx.stages import own_file
+
+__all__ = [
+    "DataDependentError",
+    "user_frame",
+    "refuse_python_random",
+    "checkpoint_as_plain_call",
+    "python_modules",
+    "call_python_modules",
+    "module_namespaces",
+    "report_grad_mode",
+    "factories_take_proxies",
+    "has_call_hooks",
+    "name_placeholders",
+    "side_effect_error",
+    "traceback_location",
+    "untraceable_error",
+    "store_object_constant",
+    "trace_restoring_state",
+]
+
+_PYTHON_RANDOM = ("random", "uniform", "randint", "randrange", "choice", "sample", "shuffle")
+# tensor methods taking sizes as varargs, called on a real (constant) tensor with traced sizes
+_SIZE_METHODS = ("expand", "view", "reshape", "repeat", "tile", "new_zeros", "new_ones", "new_full")
+_CHECKPOINT_OPTIONS = (
+    "use_reentrant", "preserve_rng_state", "determinism_check", "debug", "context_fn"
+)  # fmt: skip
+_FACTORIES = (
+    "ones", "zeros", "empty", "full", "rand", "randn", "randint", "arange", "tensor", "as_tensor"
+)  # fmt: skip
+
+
+@contextlib.contextmanager
+def factories_take_proxies(tracer: Any) -> Iterator[None]:
+    """Record ``torch.ones(b, n)`` and ``t.expand(b, -1)`` with traced sizes as graph calls.
+
+    torch's argument parser rejects proxies as varargs sizes before ``__torch_function__``
+    can see them (HunyuanVideo builds its mask with ``torch.ones(batch, seq_len)``). Random
+    factories called by traced code are always graph calls, even with constant sizes, so a
+    draw is never baked into the graph as a constant.
+    """
+    random_factories = {"rand", "randn", "randint"}  # never baked in as constants
+
+    def wrap(name: str):
+        def make(fn):
+            def factory(*args: Any, **kwargs: Any) -> Any:
+                flat = pytree.tree_leaves((args, kwargs))
+                traced = any(isinstance(a, fx.Proxy) for a in flat) or name in random_factories
+                if tracer.running_eager or not traced:
+                    return fn(*args, **kwargs)
+                return tracer.create_proxy("call_function", unpatched(torch, name), args, kwargs)
+
+            return factory
+
+        return make
+
+    def wrap_method(name: str):
+        def make(fn):
+            def method(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+                traced = any(isinstance(a, fx.Proxy) for a in pytree.tree_leaves((args, kwargs)))
+                if tracer.running_eager or not traced:
+                    return fn(self, *args, **kwargs)
+                return tracer.create_proxy("call_method", name, (self, *args), kwargs)
+
+            return method
+
+        return make
+
+    with contextlib.ExitStack() as patches:
+        for name in _FACTORIES:
+            patches.enter_context(thread_local_patch(torch, name, wrap(name)))
+        for name in _SIZE_METHODS:
+            patches.enter_context(thread_local_patch(torch.Tensor, name, wrap_method(name)))
+        yield
+
+
+@contextlib.contextmanager
+def report_grad_mode(tracer: Any, enabled: bool) -> Iterator[None]:
+    """Let traced code see the caller's grad mode although the trace runs without grad.
+
+    diffusers calls its blocks through gradient checkpointing only under
+    ``torch.is_grad_enabled() and self.gradient_checkpointing``; the trace must take that
+    branch when the training call would. Eager code (leaves, torch internals) sees the truth.
+    """
+
+    def make(original):
+        def reported() -> bool:
+            return original() if tracer.running_eager else enabled
+
+        return reported
+
+    with thread_local_patch(torch, "is_grad_enabled", make):
+        yield
+
+
+def name_placeholders(graph: fx.Graph, call: tuple, positions: tuple[int, ...]) -> None:
+    """Record each tensor input's argument name (``img_ids``, ``arg0``) in ``meta``."""
+    paths = [path for path, _ in pytree.tree_flatten_with_path(call)[0]]
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for node, pos in zip(placeholders, positions):
+        keys = paths[pos][1:]  # drop the (args, kwargs) index
+        names = [str(getattr(k, "key", getattr(k, "idx", k))) for k in keys]
+        is_kwarg = paths[pos][0].idx == 1
+        node.meta["tread_input_name"] = names[0] if is_kwarg else f"arg{names[0]}"
+
+
+class DataDependentError(Exception):
+    """Python read tensor data (or drew Python random numbers) while being traced."""
+
+    def __init__(self, what: str, module_path: str | None, where: str) -> None:
+        super().__init__(f"{what} at {where}")
+        self.what = what
+        self.module_path = module_path
+        self.where = where
+
+
+def user_frame() -> str:
+    """Return ``file:line`` of the innermost frame outside torch and tread_fx."""
+    torch_dir = os.path.dirname(torch.__file__) + os.sep
+    for frame_info in inspect.stack()[2:]:
+        filename = os.path.abspath(frame_info.filename)
+        if (
+            not filename.startswith(torch_dir)
+            and not own_file(filename)
+            and "contextlib" not in filename
+        ):
+            return f"{frame_info.filename}:{frame_info.lineno}"
+    return "<unknown location>"
+
+
+@contextlib.contextmanager
+def refuse_python_random(tracer: Any) -> Iterator[None]:
+    """Make Python-level random draws made by traced (not eager) code refuse to be baked in."""
+
+    def guard(name: str):
+        def make(original):
+            def draw(*args: Any, **kwargs: Any) -> Any:
+                if not tracer.running_eager:
+                    stack = tracer.module_stack
+                    raise DataDependentError(
+                        f"Python-level randomness (random.{name})",
+                        stack[-1] if stack else None,
+                        user_frame(),
+                    )
+                return original(*args, **kwargs)
+
+            return draw
+
+        return make
+
+    with contextlib.ExitStack() as patches:
+        for name in _PYTHON_RANDOM:
+            patches.enter_context(thread_local_patch(random, name, guard(name)))
+        yield
+
+
+@contextlib.contextmanager
+def checkpoint_as_plain_call(tracer: Any, model: nn.Module) -> Iterator[None]:
+    """Trace blocks called through activation checkpointing as plain, marked calls.
+
+    ``torch.utils.checkpoint.checkpoint(block, *args)`` (looked up in torch, imported into a
+    model's module, or held by a module, as a ``functools.partial`` too) becomes
+    ``block(*args)`` while tracing, so the blocks are seen (``checkpoint(block.forward,
+    *args)`` too: the block is called as a module); their nodes get
+    ``meta["tread_checkpoint"]`` and the rewrite pass calls them through checkpointing again.
+    """
+    import torch.utils.checkpoint as ckpt
+
+    original = unpatched(ckpt, "checkpoint")
+
+    def plain(function, *args, **kwargs):
+        if tracer.running_eager:  # inside a module run for real: checkpoint as asked
+            return original(function, *args, **kwargs)
+        for key in _CHECKPOINT_OPTIONS:
+            kwargs.pop(key, None)
+        function = _called_block(function)
+        called = function.func if isinstance(function, functools.partial) else function
+        tracer.checkpointed.add(id(getattr(called, "__self__", called)))
+        return function(*args, **kwargs)
+
+    def make(previous):  # a held partial keeps its options (use_reentrant=False, ...)
+        if isinstance(previous, functools.partial):
+            return functools.partial(plain, *previous.args, **previous.keywords)
+        return plain
+
+    namespaces = {id(ns): ns for ns in _forward_namespaces(model)}.values()
+    imported = [(ns, k) for ns in namespaces for k, v in list(ns.items()) if v is original]
+    held = [
+        (m.__dict__, k)
+        for m in model.modules()
+        for k, v in list(m.__dict__.items())
+        if v is original or (isinstance(v, functools.partial) and v.func is original)
+    ]
+    with contextlib.ExitStack() as patches:
+        patches.enter_context(thread_local_patch(ckpt, "checkpoint", make))
+        for ns, key in imported + held:  # `from torch.utils.checkpoint import checkpoint`
+            patches.enter_context(thread_local_patch(ns, key, make))
+        yield
+
+
+def _called_block(function: Any) -> Any:
+    """The module a checkpointed ``block.forward`` (or a partial of it) belongs to, to be
+    called as a module (``block(...)``) so the trace records the block call; a module with
+    call hooks, which ``block.forward`` skips, and any other function stay as they are."""
+    inner = function.func if isinstance(function, functools.partial) else function
+    owner = getattr(inner, "__self__", None)
+    forward = getattr(type(owner), "forward", None)
+    if not isinstance(owner, nn.Module) or getattr(inner, "__func__", None) is not forward:
+        return function
+    if has_call_hooks(owner):
+        return function
+    if inner is function:
+        return owner
+    return functools.partial(owner, *function.args, **function.keywords)
+
+
+def python_modules(model: nn.Module) -> list[types.ModuleType]:
+    """The Python modules defining the model's classes."""
+    names = {type(m).__module__ for m in model.modules()}
+    return [sys.modules[n] for n in sorted(names) if n in sys.modules]
+
+
+def call_python_modules(model: nn.Module, leaves: list[Any]) -> list[types.ModuleType]:
+    """The Python modules defining the classes of ``model`` and of the modules among a
+    call's flat arguments ``leaves`` (a rotary module handed to a block)."""
+    handed = [v for v in leaves if isinstance(v, nn.Module) and v is not model]
+    return list(dict.fromkeys(m for x in [model, *handed] for m in python_modules(x)))
+
+
+def _forward_namespaces(model: nn.Module) -> list[dict]:
+    """Global namespaces of the modules defining the model's classes and every ``forward``
+    they inherit (a subclass defined elsewhere runs its base's code, and its imports)."""
+    classes = {c for m in model.modules() for c in type(m).__mro__ if "forward" in vars(c)}
+    names = {c.__module__ for c in classes} - {nn.Module.__module__}
+    return module_namespaces(model) + [vars(sys.modules[n]) for n in names if n in sys.modules]
+
+
+def module_namespaces(model: nn.Module) -> list[dict]:
+    """Global namespaces of the Python modules defining the model's classes."""
+    return [vars(module) for module in python_modules(model)]
+
+
+def side_effect_error(model: nn.Module, effects: list[str]) -> UntraceableModelError:
+    return UntraceableModelError(
+        f"{type(model).__name__}.forward changes the module on every call ("
+        + "; ".join(effects[:4])
+        + "). A routed graph would replay that on every training step; tread_fx lets such a "
+        "change happen once, while tracing, and traces again, but here the second trace "
+        "changed it again. Make the change once before routing (e.g. call the model once), "
+        "or move it out of forward."
+    )
+
+
+def traceback_location(err: BaseException) -> str:
+    frames = [f for f in inspect.getinnerframes(err.__traceback__) if "torch" not in f.filename]
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "<unknown location>"
+
+
+def untraceable_error(model: nn.Module, err: DataDependentError) -> UntraceableModelError:
+    return UntraceableModelError(
+        f"cannot trace {type(model).__name__}.forward: {err.what} at {err.where}. "
+        "Shape-derived Python is resolved while tracing, and tensor data read in the model's "
+        "own forward is resolved with a runtime guard; Python random numbers, and code fx "
+        "cannot record there, cannot be routed safely. Move that code into a submodule and "
+        "register it with "
+        "tread_fx.register_leaf_module (or the function with tread_fx.register_leaf_function)."
+    )
+
+
+def has_call_hooks(module: nn.Module) -> bool:
+    """Whether ``module`` has hooks that only its ``__call__`` runs (forward or backward).
+
+    Such a module is traced as one call instead of being inlined: FSDP2's ``fully_shard``
+    gathers a unit's parameters in a forward pre-hook, so an inlined unit (say a final norm that
+    accelerate shards on its own) would compute with its sharded parameters.
+    """
+    return bool(
+        module._forward_pre_hooks
+        or module._forward_hooks
+        or module._backward_pre_hooks
+        or module._backward_hooks
+    )
+
+
+_OBJECT_PREFIX = "_tread_object_"
+
+
+def store_object_constant(root: nn.Module, obj: Any) -> str | None:
+    """Store a plain Python object on ``root`` for a ``get_attr`` node; return its name.
+
+    fx has no argument type for an instance of a user class (a per-layer key/value cache the
+    forward hands to its blocks). Such an object is a constant of one trace, as the non-tensor
+    model inputs it comes from are: the signature key holds those by identity, so a call with
+    another object traces again instead of running on a stale one.
+
+    Args:
+        root: The module being traced (the call wrapper, never the user's model).
+        obj: The argument fx rejected.
+
+    Returns:
+        The attribute name, or ``None`` when ``obj`` is not a plain object (then fx's own
+        error stands).
+
+    Example:
+        >>> class Cache: ...
+        >>> root, cache = nn.Module(), Cache()
+        >>> store_object_constant(root, cache), store_object_constant(root, cache)
+        ('_tread_object_0', '_tread_object_0')
+    """
+    if isinstance(obj, (nn.Module, torch.Tensor, tuple, list, dict, type)):
+        return None
+    if not hasattr(obj, "__dict__"):
+        return None
+    stored = {k: v for k, v in vars(root).items() if k.startswith(_OBJECT_PREFIX)}
+    for name, value in stored.items():
+        if value is obj:
+            return name
+    name = f"{_OBJECT_PREFIX}{len(stored)}"
+    setattr(root, name, obj)
+    return name
+
+
+def _snapshot_buffers(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(b, b.detach().clone()) for b in model.buffers()]
+
+
+def trace_restoring_state(
+    tracer: fx.Tracer, wrapper: nn.Module, model: nn.Module, tensors: list[torch.Tensor]
+) -> fx.Graph:
+    """``tracer.trace(wrapper)`` under no_grad, leaving RNG state and ``model``'s buffers
+    (BatchNorm statistics) as they were; Python ``random`` is refused, factories take
+    proxies, checkpointed calls are traced as plain calls, and the patches for community and
+    research code apply (:mod:`tread_fx.passes.trace.compat`)."""
+    devices = sorted({t.device.index for t in tensors if t.device.type == "cuda"})
+    grad_mode = torch.is_grad_enabled()
+    with TRACING_LOCK:  # one trace at a time; what it patches only this thread sees
+        buffers = _snapshot_buffers(model)
+        try:
+            return _trace_patched(tracer, wrapper, model, devices, grad_mode)
+        finally:
+            with torch.no_grad():
+                for live, saved in buffers:
+                    live.copy_(saved)
+
+
+def _trace_patched(
+    tracer: fx.Tracer, wrapper: nn.Module, model: nn.Module, devices: list, grad_mode: bool
+) -> fx.Graph:
+    from tread_fx.passes.trace.compat import research_code_patches  # it imports this module
+
+    with (
+        torch.random.fork_rng(devices=devices),
+        torch.no_grad(),
+        fx_patches_in_this_thread(),
+        report_grad_mode(tracer, grad_mode),
+        factories_take_proxies(tracer),
+        refuse_python_random(tracer),
+        checkpoint_as_plain_call(tracer, model),
+        research_code_patches(tracer, model),
+    ):
+        return tracer.trace(wrapper)
