@@ -2,10 +2,9 @@
 
 A routed block is a single call in the traced model graph. To see what it does with its
 inputs (:mod:`tread_fx.passes.plan.uses`) or to splice it in with its token tables cut
-(:mod:`tread_fx.passes.plan.inline_tables`), it is traced through on the example inputs the model
-trace kept for its class and call signature (``node.meta[EXAMPLE_KEY]``). This module finds
-those inputs for a call, traces the block (through its hooks where needed) and maps the call's
-arguments to the traced graph's placeholders.
+(:mod:`tread_fx.passes.plan.inline_tables`), it is traced through on the example inputs the
+model trace kept for its class and call signature (``node.meta[EXAMPLE_KEY]``), which
+:func:`example_of` finds for a call.
 
 Example:
     >>> is_tensorish((None, TensorMeta((2, 3), torch.float32, "cpu")))
@@ -14,6 +13,8 @@ Example:
 
 from __future__ import annotations
 
+import functools
+import operator
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from torch.utils import _pytree as pytree
 from tread_fx.adapters.values import TensorMeta
 from tread_fx.passes.trace.support import has_call_hooks
 from tread_fx.passes.trace.tracer import TracedCall, fetch_attr, trace_call
+from tread_fx.passes.trace.value_tracer import EXAMPLE_KEY
 from tread_fx.runtime.guards import check_traced_value
 
 __all__ = [
@@ -36,8 +38,6 @@ __all__ = [
     "node_tree",
     "trace_through",
 ]
-
-EXAMPLE_KEY = "tread_example_inputs"
 
 
 def _plain(tree: Any) -> Any:
@@ -72,16 +72,14 @@ def node_tree(node: fx.Node) -> Any:
             return (a, ())  # a module handed to the block
         return expand(a, a.meta.get("tread_meta"), ()) if isinstance(a, fx.Node) else a
 
-    mapped = fx.node.map_aggregate((node.args, node.kwargs), leaf)
-    return _plain(mapped)
+    return _plain(fx.node.map_aggregate((node.args, node.kwargs), leaf))
 
 
 def _flat_inputs(node: fx.Node, example: Any) -> list[tuple[fx.Node, tuple]] | None:
     """The block call's tensor inputs in the example's flat order, or ``None`` when the call
     does not match the example (other structure, shapes, dtypes or constants)."""
     ex_leaves, ex_spec = pytree.tree_flatten(_plain(example))
-    tree = node_tree(node)
-    leaves, spec = pytree.tree_flatten(tree, is_leaf=lambda x: is_node_leaf(x))
+    leaves, spec = pytree.tree_flatten(node_tree(node), is_leaf=is_node_leaf)
     if spec != ex_spec:
         return None
     out = []
@@ -89,7 +87,7 @@ def _flat_inputs(node: fx.Node, example: Any) -> list[tuple[fx.Node, tuple]] | N
         if isinstance(theirs, torch.Tensor):
             if not is_node_leaf(mine):
                 return None
-            meta = _meta_at(*mine)
+            meta = functools.reduce(operator.getitem, mine[1], mine[0].meta["tread_meta"])
             if meta.shape != tuple(theirs.shape) or meta.dtype != theirs.dtype:
                 return None
             out.append(mine)
@@ -112,13 +110,6 @@ def is_node_leaf(x: Any) -> bool:
     return isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], fx.Node)
 
 
-def _meta_at(node: fx.Node, path: tuple) -> TensorMeta:
-    meta = node.meta["tread_meta"]
-    for i in path:
-        meta = meta[i]
-    return meta
-
-
 def example_of(gm: fx.GraphModule, node: fx.Node) -> tuple[Any, list] | None:
     """(example inputs, flat tensor inputs of ``node``) of the first kept call of the block's
     class that ``node``'s call matches, or ``None``."""
@@ -137,10 +128,9 @@ def trace_through(module: nn.Module, example: Any, *, inlined: bool) -> TracedCa
     A block to be ``inlined`` has no hooks, nor any of its parts (inlining would skip them),
     and reads no tensor data (its guards would check another block's data). For its graph
     only (``inlined=False``: :mod:`tread_fx.passes.plan.uses`), hooks and data guards are fine:
-    parts with hooks are traced through from inside a real call of each (their hooks run on
-    the values: FSDP2 units gather their parameters, checkpoint wrappers are seen through),
-    and a block whose forward cannot run outside its own call is traced from inside one.
-    Those hooks then run once more, without gradients, while the model is traced.
+    parts with hooks are traced through from inside a real call of each, and a block whose
+    forward cannot run outside its own call is traced from inside one (the hooks run once more,
+    without gradients).
     """
     if inlined and any(has_call_hooks(m) for m in module.modules()):
         return None
@@ -166,10 +156,8 @@ def _trace_inside_call(module: nn.Module, example: Any) -> TracedCall | None:
     """``module``'s forward traced from inside one real call of it, after its pre-hooks ran.
 
     A block's own hooks may set the state its forward needs (FSDP2's ``fully_shard`` gathers
-    the parameters in a pre-hook, and its forward cannot run without that). A last pre-hook
-    traces the forward on the arguments the hooks hand on; the call then runs to its end, so
-    the block's hooks leave it as they found it. Its hooks run one extra time, without
-    gradients, while the model is traced.
+    the parameters in a pre-hook). A last pre-hook traces the forward on the arguments the
+    hooks hand on; the call then runs to its end, so the hooks leave the block as they found it.
     """
     found: list[TracedCall | None] = []
 

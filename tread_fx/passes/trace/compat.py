@@ -2,19 +2,9 @@
 
 Each patch is a context manager built like those in :mod:`tread_fx.passes.trace.support`
 and acts only while the value-carrying tracer runs; :func:`research_code_patches` enters them
-all (``trace_restoring_state`` does).
-
-- :func:`dynamo_wrappers_call_through`: functions and modules the model decorates with
-  ``@torch.compile`` (its ``forward``, a modulate helper, an embedder) run their original
-  Python while being traced, as dynamo itself offers (``error_on_nested_fx_trace``); the
-  routed graph is compiled as a whole as usual, and the decorators still apply in eval;
-  :func:`dynamo_wrappers_run_original`: an uncompiled routed graph runs their original code.
-- :func:`traced_values_are_tensors` (through ``thread_local_patch``: only the tracing thread
-  sees it): ``torch.is_tensor(v)`` and ``isinstance(v, torch.Tensor)``
-  in the model's own code hold for a traced value that stands for a tensor, so a time
-  embedding takes the branch it takes eagerly; ``callable(v)`` answers by the value too
-  (a proxy has ``__call__``, a tensor has not: ``default(context, x)`` helpers that call a
-  callable default would call the tensor).
+all (:func:`tread_fx.passes.trace.tracer.trace_restoring_state` does): code decorated with
+``@torch.compile`` runs its original Python, and ``torch.is_tensor(v)``, ``isinstance`` and
+``callable`` in the model's own code answer by the value a traced value stands for.
 
 Example:
     >>> import torch
@@ -40,8 +30,8 @@ import torch.fx as fx
 from torch import nn
 
 from tread_fx.passes.trace import thread_patch
-from tread_fx.passes.trace.support import module_namespaces
-from tread_fx.passes.trace.thread_patch import thread_local_patch
+from tread_fx.passes.trace.support import python_modules
+from tread_fx.passes.trace.thread_patch import thread_local_patches
 
 __all__ = [
     "research_code_patches",
@@ -61,36 +51,28 @@ def research_code_patches(tracer: Any, model: nn.Module) -> Iterator[None]:
         yield
 
 
-@contextlib.contextmanager
-def dynamo_wrappers_call_through() -> Iterator[None]:
+def dynamo_wrappers_call_through() -> contextlib.AbstractContextManager:
     """Let functions and modules optimized by ``torch.compile`` run their original code.
 
-    A dynamo-optimized function called while fx traces raises "Detected that you are using FX
-    to symbolically trace a dynamo-optimized function" unless dynamo's
-    ``error_on_nested_fx_trace`` is off; then it calls the function it wraps
-    (``_torchdynamo_orig_callable``), so the trace records the original operations. Nothing
-    is compiled while tracing. Without ``torch._dynamo`` imported nothing can be optimized.
+    With dynamo's ``error_on_nested_fx_trace`` off, a dynamo-optimized function called while
+    fx traces calls the function it wraps instead of raising, so the trace records the original
+    operations. Without ``torch._dynamo`` imported nothing can be optimized.
     """
     dynamo = sys.modules.get("torch._dynamo")
     if dynamo is None:
-        yield
-        return
-    with dynamo.config.patch(error_on_nested_fx_trace=False):
-        yield
+        return contextlib.nullcontext()
+    return dynamo.config.patch(error_on_nested_fx_trace=False)
 
 
 @contextlib.contextmanager
 def dynamo_wrappers_run_original() -> Iterator[None]:
     """Run functions and modules optimized by ``torch.compile`` as their original code.
 
-    The routed graph runs under this when it is not compiled itself (``compile=False``): it
-    records the original operations of the code it traced through, and a block it calls
-    whole (a block whose ``forward`` the model decorates, or a block wrapped in
-    ``torch.compile``) runs its original code as well, rather than being compiled again
-    for each routed token count and grad mode with the code around it left eager. The
-    routed graph is compiled as a whole with ``compile=``. Uses dynamo's own thread-local
-    switch for this where torch has it, else ``set_stance("force_eager")`` (torch >= 2.6);
-    older torch calls the decorated code.
+    The routed graph runs under this when it is not compiled itself (``compile=False``): a
+    block it calls whole (decorated, or wrapped in ``torch.compile``) runs its original code as
+    well, rather than being compiled again for each routed token count and grad mode. Uses
+    dynamo's own thread-local switch where torch has it, else ``set_stance("force_eager")``
+    (torch >= 2.6); older torch calls the decorated code.
 
     Example:
         >>> import torch
@@ -121,17 +103,14 @@ def _is_model_frame(depth: int) -> bool:
     return not (name == "torch" or name.startswith("torch."))
 
 
-@contextlib.contextmanager
-def traced_values_are_tensors(tracer: Any, model: nn.Module) -> Iterator[None]:
+def traced_values_are_tensors(tracer: Any, model: nn.Module) -> contextlib.AbstractContextManager:
     """Make ``torch.is_tensor`` and ``isinstance(v, torch.Tensor)`` true for traced tensors,
     and ``callable(v)`` answer as for the value a traced value stands for.
 
-    A proxy is no ``torch.Tensor``, so model code such as
-    ``if not torch.is_tensor(t): t = torch.tensor([t])`` would take the branch it never takes
-    eagerly. While tracing, ``torch.is_tensor`` (and the name imported from torch) answers by
-    the value a proxy stands for when called from outside torch, and the model's Python modules
-    see an ``isinstance`` that does the same for tensors (other checks are unchanged), and a
-    ``callable`` that answers by the value for every traced value.
+    A proxy is no ``torch.Tensor``, so ``if not torch.is_tensor(t): t = torch.tensor([t])``
+    would take the branch it never takes eagerly. ``torch.is_tensor`` (and the name imported
+    from torch) answers by the value when called from outside torch; the model's Python modules
+    see an ``isinstance`` that does so for tensors, and a ``callable`` that does so always.
     """
 
     def stands_for_tensor(obj: Any) -> bool:
@@ -160,18 +139,15 @@ def traced_values_are_tensors(tracer: Any, model: nn.Module) -> Iterator[None]:
 
     namespaces = {
         id(ns): ns
-        for ns in module_namespaces(model)
+        for ns in map(vars, python_modules(model))
         if not str(ns.get("__name__", "")).startswith(("torch.", "tread_fx."))
     }.values()
     imported = [(ns, k) for ns in namespaces for k, v in ns.items() if v is original_is_tensor]
     shadowed = [ns for ns in namespaces if "isinstance" not in ns]
     uncalled = [ns for ns in namespaces if "callable" not in ns]
-    with contextlib.ExitStack() as patches:  # seen by the tracing thread only
-        patches.enter_context(thread_local_patch(torch, "is_tensor", lambda _: is_tensor))
-        for ns, key in imported:  # `from torch import is_tensor`
-            patches.enter_context(thread_local_patch(ns, key, lambda _: is_tensor))
-        for ns in shadowed:
-            patches.enter_context(thread_local_patch(ns, "isinstance", lambda _: traced_isinstance))
-        for ns in uncalled:
-            patches.enter_context(thread_local_patch(ns, "callable", lambda _: traced_callable))
-        yield
+    return thread_local_patches(  # seen by the tracing thread only
+        [(torch, "is_tensor", lambda _: is_tensor)]
+        + [(ns, key, lambda _: is_tensor) for ns, key in imported]  # `from torch import is_tensor`
+        + [(ns, "isinstance", lambda _: traced_isinstance) for ns in shadowed]
+        + [(ns, "callable", lambda _: traced_callable) for ns in uncalled]
+    )

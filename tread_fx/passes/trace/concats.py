@@ -2,19 +2,11 @@
 
 A leaf function (einops ``pack``, a registered helper) is one opaque node in the graph: a
 concatenation of tokens inside it (``pack([x, registers], "b * d")``) is invisible to the
-passes that look for ``torch.cat`` (the never-routed prefix/suffix of a joint stream,
-:mod:`tread_fx.passes.locate.joint`). While tracing, the leaf runs on real values; its output is
-compared with the concatenation of its tensor inputs, each laid out as one block of the
-output along one dim. Where the values are equal, the node records that dim and the part
-sizes, and the passes treat it as the concatenation it is. The data decide, never the
-function's name or library; a function that is not such a concatenation records nothing.
-:func:`concatenation_parts` answers for both kinds of node.
-
-Example:
-    >>> import torch
-    >>> parts = [torch.randn(2, 3, 4), torch.randn(2, 5, 4)]
-    >>> concatenation_sizes(torch.cat(parts, 1), parts)
-    [(1, [3, 5])]
+passes that look for ``torch.cat`` (:mod:`tread_fx.passes.locate.dims`). While tracing, the
+leaf's real output is compared with its tensor inputs laid out one after another along each
+dim; where the values are equal, the node records that dim and the part sizes. The data
+decide, never the function's name or library. :func:`concatenation_parts` answers for both
+kinds of node.
 """
 
 from __future__ import annotations
@@ -107,14 +99,10 @@ def record_leaf_concatenation(node: fx.Node, value: Any, values: dict[fx.Node, A
     outputs = {None: value} if isinstance(value, torch.Tensor) else {}
     if isinstance(value, (tuple, list)):
         outputs = {i: v for i, v in enumerate(value) if isinstance(v, torch.Tensor)}
-    found = {}
     with torch.no_grad():
-        for key, out in outputs.items():
-            matches = concatenation_sizes(out, parts) if len(parts) >= 2 else []
-            if matches:
-                found[key] = matches
-    if found:
-        node.meta[_KEY] = found
+        found = {key: concatenation_sizes(out, parts) for key, out in outputs.items()}
+    if any(found.values()):
+        node.meta[_KEY] = {key: matches for key, matches in found.items() if matches}
 
 
 def concatenation_parts(node: fx.Node, dim: int) -> tuple[list[fx.Node], list[int]] | None:
@@ -125,9 +113,6 @@ def concatenation_parts(node: fx.Node, dim: int) -> tuple[list[fx.Node], list[in
     Args:
         node: Any graph node.
         dim: The dim (negative counts from the end).
-
-    Returns:
-        The part nodes in order and their sizes along ``dim``, or ``None``.
 
     Example:
         >>> from tread_fx.passes.trace.tracer import trace_call

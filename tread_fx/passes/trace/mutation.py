@@ -1,18 +1,16 @@
-"""Tracing support for forwards that mutate tensors or call type-checking libraries.
+"""Tracing forwards that mutate tensors or their module, or call type-checking libraries.
 
-Three things real forwards do that a plain fx trace cannot record:
-
-- **Item assignment** (``mask[:, :n] = 1``, ``ids[..., 1] = rows``): recorded as one
-  out-of-place :func:`functional_setitem` node, and the Python object that was assigned into
-  now stands for that node, so every later use reads the written tensor, in program order.
-- **In-place methods** (``x.add_(y)``, ``m.masked_fill_(...)``) are recorded as they are
-  (they run in order), and :func:`thread_inplace` makes every later user of the mutated value
-  read the in-place node's result instead, so data flow (what the planner sees) follows
-  the mutation.
+- **Item assignment** (``mask[:, :n] = 1``): one out-of-place :func:`functional_setitem` node,
+  which the assigned-into Python object stands for from then on (later uses read it).
+- **In-place methods** (``x.add_(y)``) are recorded as they are (they run in order), and
+  :func:`thread_inplace` makes later users of the mutated value read the in-place node, so
+  data flow (what the planner sees) follows the mutation.
 - **Library functions that type-check their arguments** (einops' ``rearrange`` rejects a
-  proxy): :func:`library_function_of` finds, in the traceback of the failed trace, the
-  library function the model's code called, so the tracer can make it a leaf function
-  (called on real values, one graph node) and trace again. No per-library code.
+  proxy): :func:`library_function_of` finds, in the failed trace's traceback, the library
+  function the model's code called, to trace again with it as a leaf function. No
+  per-library code.
+- **Changes to the module** (:func:`side_effects`): flags a forward sets, in-place writes to
+  its parameters and buffers.
 
 Example:
     >>> import torch
@@ -25,6 +23,7 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
 import types
 from collections.abc import Callable
 from typing import Any
@@ -41,6 +40,9 @@ __all__ = [
     "is_inplace_method",
     "defining_modules",
     "drop_unused_sizes",
+    "module_flags",
+    "side_effects",
+    "state_mutations",
 ]
 
 
@@ -65,26 +67,19 @@ def is_inplace_method(node: fx.Node) -> bool:
     )
 
 
-def thread_inplace(graph: fx.Graph) -> int:
+def thread_inplace(graph: fx.Graph) -> None:
     """Make later users of a value mutated in place read the in-place node instead.
 
     In-place tensor methods return the tensor they mutate, so the rewiring changes no value;
     it makes the graph's data flow say that later readers depend on the mutation.
-
-    Returns:
-        The number of in-place nodes threaded.
     """
     order = {node: i for i, node in enumerate(graph.nodes)}
-    threaded = 0
     for node in list(graph.nodes):
         if not is_inplace_method(node) or not node.args or not isinstance(node.args[0], fx.Node):
             continue
         mutated = node.args[0]
-        later = [u for u in mutated.users if u is not node and order[u] > order[node]]
-        for user in later:
+        for user in [u for u in mutated.users if u is not node and order[u] > order[node]]:
             user.replace_input_with(mutated, node)
-        threaded += 1
-    return threaded
 
 
 def _is_library_file(filename: str) -> bool:
@@ -103,30 +98,18 @@ def _function_of(frame: types.FrameType) -> Callable | None:
 def library_function_of(err: BaseException, model_files: set[str]) -> Callable | None:
     """The library function the model's own code called when ``err`` was raised.
 
-    Walks the traceback to the last frame in the model's files (``model_files``); the next
-    frame, if it is a module-level function outside torch, tread_fx and the model's files,
-    is the library entry point that rejected a traced value.
-
-    Args:
-        err: The exception the trace raised.
-        model_files: Absolute paths of the files defining the model's classes.
-
-    Returns:
-        The function, or ``None`` when the failure is not in such a call.
+    Walks the traceback to the last frame in the model's files (``model_files``, absolute
+    paths); the next frame, if it is a module-level function outside torch, the standard
+    library and tread_fx, is the library entry point that rejected a traced value (else
+    ``None``).
     """
-    frames = []
-    tb = err.__traceback__
-    while tb is not None:
-        frames.append(tb.tb_frame)
-        tb = tb.tb_next
+    frames = [frame for frame, _ in traceback.walk_tb(err.__traceback__)]
     files = [os.path.abspath(f.f_code.co_filename) for f in frames]
     in_model = [i for i, f in enumerate(files) if f in model_files]
     if not in_model or in_model[-1] + 1 >= len(frames):
         return None
     callee = frames[in_model[-1] + 1]
-    if not _is_library_file(callee.f_code.co_filename):
-        return None
-    return _function_of(callee)
+    return _function_of(callee) if _is_library_file(callee.f_code.co_filename) else None
 
 
 def defining_modules(fn: Callable) -> list[types.ModuleType]:
@@ -137,18 +120,11 @@ def defining_modules(fn: Callable) -> list[types.ModuleType]:
     return [sys.modules[n] for n in names if n in sys.modules]
 
 
-def drop_unused_sizes(graph: fx.Graph) -> int:
-    """Remove ``x.size(i)`` nodes nobody reads (``x.shape`` traces every dim; most go unused).
-
-    Returns:
-        The number of nodes removed.
-    """
-    unused = [
-        n for n in graph.nodes if n.op == "call_method" and n.target == "size" and not n.users
-    ]
-    for node in reversed(unused):
+def drop_unused_sizes(graph: fx.Graph) -> None:
+    """Remove ``x.size(i)`` nodes nobody reads (``x.shape`` traces every dim; most go unused)."""
+    sizes = [n for n in graph.nodes if n.op == "call_method" and n.target == "size"]
+    for node in reversed([n for n in sizes if not n.users]):
         graph.erase_node(node)
-    return len(unused)
 
 
 def module_flags(model: torch.nn.Module) -> dict[tuple[str, str], Any]:

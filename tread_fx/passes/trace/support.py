@@ -1,33 +1,26 @@
-"""Tracing aids for third-party models: what the value-carrying tracer patches while it runs.
-
-- :func:`report_grad_mode`: traced code sees the caller's grad mode although the trace runs
-  without grad (diffusers checkpoints blocks only when ``torch.is_grad_enabled()``).
-- :func:`factories_take_proxies`: ``torch.ones(b, n)`` with traced sizes, and every random
-  draw, become graph calls.
-- :func:`name_placeholders`: each tensor input's argument name (for messages, ``stream=``).
-- :func:`refuse_python_random`: Python-level random draws in traced code refuse to be baked in.
-- :func:`checkpoint_as_plain_call`: blocks called through activation checkpointing are traced
-  as plain, marked calls.
-- :class:`DataDependentError` and :func:`user_frame`: what those refusals raise, and where.
+"""Tracing aids for third-party models: what the value-carrying tracer patches while it runs
+(:func:`report_grad_mode`, :func:`factories_take_proxies`, :func:`refuse_python_random`,
+:func:`checkpoint_as_plain_call`), what its refusals raise (:class:`DataDependentError`, at
+:func:`user_frame`), and the messages of a refused trace.
 
 Every patch goes through :func:`tread_fx.passes.trace.thread_patch.thread_local_patch`, so only the
-tracing thread sees it (a new tracing patch must use it too); :func:`trace_restoring_state`
-holds ``TRACING_LOCK`` (one trace at a time) and routes fx's own patching the same way.
+tracing thread sees it (a new tracing patch must use it too);
+:func:`tread_fx.passes.trace.tracer.trace_restoring_state` enters them all.
 
 Example:
-    >>> # used by tread_fx.passes.trace.tracer.trace_call
+    >>> has_call_hooks(nn.Linear(2, 2))
+    False
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import os
 import random
 import sys
 import types
-from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -36,12 +29,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from tread_fx.errors import UntraceableModelError
-from tread_fx.passes.trace.thread_patch import (
-    TRACING_LOCK,
-    fx_patches_in_this_thread,
-    thread_local_patch,
-    unpatched,
-)
+from tread_fx.passes.trace.thread_patch import thread_local_patch, thread_local_patches, unpatched
 from tread_fx.stages import own_file
 
 __all__ = [
@@ -51,7 +39,6 @@ __all__ = [
     "checkpoint_as_plain_call",
     "python_modules",
     "call_python_modules",
-    "module_namespaces",
     "report_grad_mode",
     "factories_take_proxies",
     "has_call_hooks",
@@ -60,7 +47,6 @@ __all__ = [
     "traceback_location",
     "untraceable_error",
     "store_object_constant",
-    "trace_restoring_state",
 ]
 
 _PYTHON_RANDOM = ("random", "uniform", "randint", "randrange", "choice", "sample", "shuffle")
@@ -74,58 +60,39 @@ _FACTORIES = (
 )  # fmt: skip
 
 
-@contextlib.contextmanager
-def factories_take_proxies(tracer: Any) -> Iterator[None]:
+def factories_take_proxies(tracer: Any) -> AbstractContextManager:
     """Record ``torch.ones(b, n)`` and ``t.expand(b, -1)`` with traced sizes as graph calls.
 
     torch's argument parser rejects proxies as varargs sizes before ``__torch_function__``
-    can see them (HunyuanVideo builds its mask with ``torch.ones(batch, seq_len)``). Random
-    factories called by traced code are always graph calls, even with constant sizes, so a
-    draw is never baked into the graph as a constant.
+    can see them. Random factories called by traced code are always graph calls, even with
+    constant sizes, so a draw is never baked into the graph as a constant.
     """
     random_factories = {"rand", "randn", "randint"}  # never baked in as constants
 
-    def wrap(name: str):
+    def wrap(name: str, method: bool):
         def make(fn):
-            def factory(*args: Any, **kwargs: Any) -> Any:
-                flat = pytree.tree_leaves((args, kwargs))
-                traced = any(isinstance(a, fx.Proxy) for a in flat) or name in random_factories
+            def call(*args: Any, **kwargs: Any) -> Any:
+                sizes = pytree.tree_leaves((args[1:] if method else args, kwargs))
+                traced = any(isinstance(a, fx.Proxy) for a in sizes) or name in random_factories
                 if tracer.running_eager or not traced:
                     return fn(*args, **kwargs)
+                if method:  # called on a real tensor: ``self`` is the first argument
+                    return tracer.create_proxy("call_method", name, args, kwargs)
                 return tracer.create_proxy("call_function", unpatched(torch, name), args, kwargs)
 
-            return factory
+            return call
 
         return make
 
-    def wrap_method(name: str):
-        def make(fn):
-            def method(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-                traced = any(isinstance(a, fx.Proxy) for a in pytree.tree_leaves((args, kwargs)))
-                if tracer.running_eager or not traced:
-                    return fn(self, *args, **kwargs)
-                return tracer.create_proxy("call_method", name, (self, *args), kwargs)
-
-            return method
-
-        return make
-
-    with contextlib.ExitStack() as patches:
-        for name in _FACTORIES:
-            patches.enter_context(thread_local_patch(torch, name, wrap(name)))
-        for name in _SIZE_METHODS:
-            patches.enter_context(thread_local_patch(torch.Tensor, name, wrap_method(name)))
-        yield
+    functions = [(torch, name, wrap(name, method=False)) for name in _FACTORIES]
+    methods = [(torch.Tensor, name, wrap(name, method=True)) for name in _SIZE_METHODS]
+    return thread_local_patches(functions + methods)
 
 
-@contextlib.contextmanager
-def report_grad_mode(tracer: Any, enabled: bool) -> Iterator[None]:
-    """Let traced code see the caller's grad mode although the trace runs without grad.
-
-    diffusers calls its blocks through gradient checkpointing only under
-    ``torch.is_grad_enabled() and self.gradient_checkpointing``; the trace must take that
-    branch when the training call would. Eager code (leaves, torch internals) sees the truth.
-    """
+def report_grad_mode(tracer: Any, enabled: bool) -> AbstractContextManager:
+    """Let traced code see the caller's grad mode although the trace runs without grad (a
+    forward may checkpoint its blocks only under ``torch.is_grad_enabled()``); eager code
+    (leaves, torch internals) sees the truth."""
 
     def make(original):
         def reported() -> bool:
@@ -133,8 +100,7 @@ def report_grad_mode(tracer: Any, enabled: bool) -> Iterator[None]:
 
         return reported
 
-    with thread_local_patch(torch, "is_grad_enabled", make):
-        yield
+    return thread_local_patch(torch, "is_grad_enabled", make)
 
 
 def name_placeholders(graph: fx.Graph, call: tuple, positions: tuple[int, ...]) -> None:
@@ -142,10 +108,9 @@ def name_placeholders(graph: fx.Graph, call: tuple, positions: tuple[int, ...]) 
     paths = [path for path, _ in pytree.tree_flatten_with_path(call)[0]]
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     for node, pos in zip(placeholders, positions):
-        keys = paths[pos][1:]  # drop the (args, kwargs) index
-        names = [str(getattr(k, "key", getattr(k, "idx", k))) for k in keys]
-        is_kwarg = paths[pos][0].idx == 1
-        node.meta["tread_input_name"] = names[0] if is_kwarg else f"arg{names[0]}"
+        top, argument = paths[pos][:2]  # the (args, kwargs) index, then the argument's
+        name = str(getattr(argument, "key", getattr(argument, "idx", argument)))
+        node.meta["tread_input_name"] = name if top.idx == 1 else f"arg{name}"
 
 
 class DataDependentError(Exception):
@@ -157,55 +122,45 @@ class DataDependentError(Exception):
         self.module_path = module_path
         self.where = where
 
+    @classmethod
+    def at(cls, what: str, tracer: Any) -> DataDependentError:
+        """The error for ``what`` at the user's frame, in the innermost module ``tracer`` is in."""
+        return cls(what, tracer.module_stack[-1] if tracer.module_stack else None, user_frame())
+
 
 def user_frame() -> str:
     """Return ``file:line`` of the innermost frame outside torch and tread_fx."""
     torch_dir = os.path.dirname(torch.__file__) + os.sep
     for frame_info in inspect.stack()[2:]:
         filename = os.path.abspath(frame_info.filename)
-        if (
-            not filename.startswith(torch_dir)
-            and not own_file(filename)
-            and "contextlib" not in filename
-        ):
+        if not (filename.startswith(torch_dir) or own_file(filename) or "contextlib" in filename):
             return f"{frame_info.filename}:{frame_info.lineno}"
     return "<unknown location>"
 
 
-@contextlib.contextmanager
-def refuse_python_random(tracer: Any) -> Iterator[None]:
+def refuse_python_random(tracer: Any) -> AbstractContextManager:
     """Make Python-level random draws made by traced (not eager) code refuse to be baked in."""
 
     def guard(name: str):
         def make(original):
             def draw(*args: Any, **kwargs: Any) -> Any:
                 if not tracer.running_eager:
-                    stack = tracer.module_stack
-                    raise DataDependentError(
-                        f"Python-level randomness (random.{name})",
-                        stack[-1] if stack else None,
-                        user_frame(),
-                    )
+                    raise DataDependentError.at(f"Python-level randomness (random.{name})", tracer)
                 return original(*args, **kwargs)
 
             return draw
 
         return make
 
-    with contextlib.ExitStack() as patches:
-        for name in _PYTHON_RANDOM:
-            patches.enter_context(thread_local_patch(random, name, guard(name)))
-        yield
+    return thread_local_patches((random, name, guard(name)) for name in _PYTHON_RANDOM)
 
 
-@contextlib.contextmanager
-def checkpoint_as_plain_call(tracer: Any, model: nn.Module) -> Iterator[None]:
+def checkpoint_as_plain_call(tracer: Any, model: nn.Module) -> AbstractContextManager:
     """Trace blocks called through activation checkpointing as plain, marked calls.
 
     ``torch.utils.checkpoint.checkpoint(block, *args)`` (looked up in torch, imported into a
     model's module, or held by a module, as a ``functools.partial`` too) becomes
-    ``block(*args)`` while tracing, so the blocks are seen (``checkpoint(block.forward,
-    *args)`` too: the block is called as a module); their nodes get
+    ``block(*args)`` while tracing (``checkpoint(block.forward, *args)`` too); the nodes get
     ``meta["tread_checkpoint"]`` and the rewrite pass calls them through checkpointing again.
     """
     import torch.utils.checkpoint as ckpt
@@ -235,17 +190,15 @@ def checkpoint_as_plain_call(tracer: Any, model: nn.Module) -> Iterator[None]:
         for k, v in list(m.__dict__.items())
         if v is original or (isinstance(v, functools.partial) and v.func is original)
     ]
-    with contextlib.ExitStack() as patches:
-        patches.enter_context(thread_local_patch(ckpt, "checkpoint", make))
-        for ns, key in imported + held:  # `from torch.utils.checkpoint import checkpoint`
-            patches.enter_context(thread_local_patch(ns, key, make))
-        yield
+    # also `from torch.utils.checkpoint import checkpoint`, and a held (partial of) checkpoint
+    named = [(ckpt, "checkpoint")] + imported + held
+    return thread_local_patches((target, key, make) for target, key in named)
 
 
 def _called_block(function: Any) -> Any:
     """The module a checkpointed ``block.forward`` (or a partial of it) belongs to, to be
-    called as a module (``block(...)``) so the trace records the block call; a module with
-    call hooks, which ``block.forward`` skips, and any other function stay as they are."""
+    called as a module so the trace records the block call; any other function, and the
+    ``forward`` of a module with call hooks (which it skips), stay as they are."""
     inner = function.func if isinstance(function, functools.partial) else function
     owner = getattr(inner, "__self__", None)
     forward = getattr(type(owner), "forward", None)
@@ -276,12 +229,8 @@ def _forward_namespaces(model: nn.Module) -> list[dict]:
     they inherit (a subclass defined elsewhere runs its base's code, and its imports)."""
     classes = {c for m in model.modules() for c in type(m).__mro__ if "forward" in vars(c)}
     names = {c.__module__ for c in classes} - {nn.Module.__module__}
-    return module_namespaces(model) + [vars(sys.modules[n]) for n in names if n in sys.modules]
-
-
-def module_namespaces(model: nn.Module) -> list[dict]:
-    """Global namespaces of the Python modules defining the model's classes."""
-    return [vars(module) for module in python_modules(model)]
+    modules = python_modules(model) + [sys.modules[n] for n in names if n in sys.modules]
+    return [vars(module) for module in modules]
 
 
 def side_effect_error(model: nn.Module, effects: list[str]) -> UntraceableModelError:
@@ -314,9 +263,8 @@ def untraceable_error(model: nn.Module, err: DataDependentError) -> UntraceableM
 def has_call_hooks(module: nn.Module) -> bool:
     """Whether ``module`` has hooks that only its ``__call__`` runs (forward or backward).
 
-    Such a module is traced as one call instead of being inlined: FSDP2's ``fully_shard``
-    gathers a unit's parameters in a forward pre-hook, so an inlined unit (say a final norm that
-    accelerate shards on its own) would compute with its sharded parameters.
+    Such a module is traced as one call instead of being inlined: an inlined FSDP2 unit would
+    compute with its sharded parameters (``fully_shard`` gathers them in a forward pre-hook).
     """
     return bool(
         module._forward_pre_hooks
@@ -334,16 +282,14 @@ def store_object_constant(root: nn.Module, obj: Any) -> str | None:
 
     fx has no argument type for an instance of a user class (a per-layer key/value cache the
     forward hands to its blocks). Such an object is a constant of one trace, as the non-tensor
-    model inputs it comes from are: the signature key holds those by identity, so a call with
-    another object traces again instead of running on a stale one.
+    model inputs it comes from are (the signature key holds those by identity).
 
     Args:
         root: The module being traced (the call wrapper, never the user's model).
         obj: The argument fx rejected.
 
     Returns:
-        The attribute name, or ``None`` when ``obj`` is not a plain object (then fx's own
-        error stands).
+        The attribute name, or ``None`` when ``obj`` is not a plain object.
 
     Example:
         >>> class Cache: ...
@@ -356,50 +302,6 @@ def store_object_constant(root: nn.Module, obj: Any) -> str | None:
     if not hasattr(obj, "__dict__"):
         return None
     stored = {k: v for k, v in vars(root).items() if k.startswith(_OBJECT_PREFIX)}
-    for name, value in stored.items():
-        if value is obj:
-            return name
-    name = f"{_OBJECT_PREFIX}{len(stored)}"
+    name = next((k for k, v in stored.items() if v is obj), f"{_OBJECT_PREFIX}{len(stored)}")
     setattr(root, name, obj)
     return name
-
-
-def _snapshot_buffers(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(b, b.detach().clone()) for b in model.buffers()]
-
-
-def trace_restoring_state(
-    tracer: fx.Tracer, wrapper: nn.Module, model: nn.Module, tensors: list[torch.Tensor]
-) -> fx.Graph:
-    """``tracer.trace(wrapper)`` under no_grad, leaving RNG state and ``model``'s buffers
-    (BatchNorm statistics) as they were; Python ``random`` is refused, factories take
-    proxies, checkpointed calls are traced as plain calls, and the patches for community and
-    research code apply (:mod:`tread_fx.passes.trace.compat`)."""
-    devices = sorted({t.device.index for t in tensors if t.device.type == "cuda"})
-    grad_mode = torch.is_grad_enabled()
-    with TRACING_LOCK:  # one trace at a time; what it patches only this thread sees
-        buffers = _snapshot_buffers(model)
-        try:
-            return _trace_patched(tracer, wrapper, model, devices, grad_mode)
-        finally:
-            with torch.no_grad():
-                for live, saved in buffers:
-                    live.copy_(saved)
-
-
-def _trace_patched(
-    tracer: fx.Tracer, wrapper: nn.Module, model: nn.Module, devices: list, grad_mode: bool
-) -> fx.Graph:
-    from tread_fx.passes.trace.compat import research_code_patches  # it imports this module
-
-    with (
-        torch.random.fork_rng(devices=devices),
-        torch.no_grad(),
-        fx_patches_in_this_thread(),
-        report_grad_mode(tracer, grad_mode),
-        factories_take_proxies(tracer),
-        refuse_python_random(tracer),
-        checkpoint_as_plain_call(tracer, model),
-        research_code_patches(tracer, model),
-    ):
-        return tracer.trace(wrapper)

@@ -4,34 +4,28 @@ The tracer has to replace process-wide names while it runs (``torch.ones``, ``ra
 ``torch.is_grad_enabled``, ``nn.Module.__call__`` ...). :func:`thread_local_patch` is the one way
 it does so: the name gets a *dispatcher* (installed once, reference-counted, removed when the
 last patch of that name ends) that calls the replacement only in a thread that entered the
-patch, and the original everywhere else. A data-loading or logging thread calling
-``random.random()`` during a first routed call sees the real ``random.random``.
+patch, and the original everywhere else: a data-loading thread calling ``random.random()``
+during a first routed call sees the real one.
 
 :func:`fx_patches_in_this_thread` sends torch.fx's own patching (``nn.Module.__call__`` and
 ``__getattr__``, wrapped and autowrapped functions) through the same mechanism, and
 :data:`TRACING_LOCK` lets one thread trace at a time (fx's tracer is not written for two
 concurrent traces); routed calls that do not trace never take it.
-
-Example:
-    >>> import math
-    >>> with thread_local_patch(math, "floor", lambda previous: lambda x: previous(x) + 100):
-    ...     math.floor(1.5)
-    101
-    >>> math.floor(1.5)
-    1
 """
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch.fx._symbolic_trace as fx_trace
 
 __all__ = [
     "thread_local_patch",
+    "thread_local_patches",
     "fx_patches_in_this_thread",
     "TRACING_LOCK",
     "is_dispatcher",
@@ -107,9 +101,7 @@ def _install(target: Any, name: str) -> tuple[tuple[int, str], Callable]:
             own = _own_entry(target, name)
             original = _read(target, name)
             if original is _MISSING and isinstance(target, dict):
-                import builtins  # fx patches a builtin (``len``) into a module's globals
-
-                original = getattr(builtins, name)
+                original = getattr(builtins, name)  # fx patches ``len`` into a module's globals
             record = [target, name, original, _make_dispatcher(key, original), 0, own]
             _INSTALLED[key] = record
             _write(target, name, record[3])
@@ -164,6 +156,15 @@ def thread_local_patch(
         _uninstall(key)
 
 
+@contextlib.contextmanager
+def thread_local_patches(patches: Iterable[tuple[Any, str, Callable]]) -> Iterator[None]:
+    """:func:`thread_local_patch` for each ``(target, name, make)`` of ``patches``, in order."""
+    with contextlib.ExitStack() as stack:
+        for target, name, make in list(patches):
+            stack.enter_context(thread_local_patch(target, name, make))
+        yield
+
+
 class _ThreadPatcher(fx_trace._Patcher):
     """fx's patcher, patching through :func:`thread_local_patch` instead of ``setattr``."""
 
@@ -171,7 +172,8 @@ class _ThreadPatcher(fx_trace._Patcher):
         super().__init__()
         self._exits = contextlib.ExitStack()
 
-    def _push(self, target: Any, name: str, new_fn: Callable, deduplicate: bool) -> None:
+    def patch(self, target: Any, name: str, new_fn: Callable, deduplicate: bool = True) -> None:
+        """Patch ``target.name`` (a globals dict's entry or a class attribute) for this thread."""
         new_fn.__fx_already_patched = deduplicate  # type: ignore[attr-defined]
         current = _read(target, name)
         if is_dispatcher(current):
@@ -183,11 +185,7 @@ class _ThreadPatcher(fx_trace._Patcher):
             return  # wrapped for this thread's outer trace already
         self._exits.enter_context(thread_local_patch(target, name, lambda previous: new_fn))
 
-    def patch(self, frame_dict, name, new_fn, deduplicate=True) -> None:  # noqa: D102
-        self._push(frame_dict, name, new_fn, deduplicate)
-
-    def patch_method(self, cls, name, new_fn, deduplicate=True) -> None:  # noqa: D102
-        self._push(cls, name, new_fn, deduplicate)
+    patch_method = patch
 
     def revert_all_patches(self) -> list:  # noqa: D102 - only fx's CURRENT_PATCHER uses these
         return []
@@ -201,18 +199,8 @@ class _ThreadPatcher(fx_trace._Patcher):
 
 
 @contextlib.contextmanager
-def _new_thread_patcher() -> Iterator[_ThreadPatcher]:
-    with _ThreadPatcher() as patcher:
-        yield patcher
-
-
-@contextlib.contextmanager
 def fx_patches_in_this_thread() -> Iterator[None]:
-    """Make ``fx.Tracer.trace`` in this thread patch only for this thread.
-
-    fx's ``_new_patcher`` is replaced (thread-locally) by one whose patches are
-    :func:`thread_local_patch` es, so another thread calling any ``nn.Module`` during the trace
-    runs the real ``Module.__call__``.
-    """
-    with thread_local_patch(fx_trace, "_new_patcher", lambda previous: _new_thread_patcher):
+    """Make ``fx.Tracer.trace`` in this thread patch (``_new_patcher``) only for this thread,
+    so another thread calling any ``nn.Module`` during the trace runs the real ``__call__``."""
+    with thread_local_patch(fx_trace, "_new_patcher", lambda previous: _ThreadPatcher):
         yield

@@ -1,17 +1,13 @@
 """Pass 1 — trace: turn a model call into a GraphModule, resolving shape-derived Python.
 
 Plain ``torch.fx.symbolic_trace`` fails on most real models because their forwards contain
-Python that reads shapes (``if x.shape[1] == ...``, ``int(N ** 0.5)``). The tracer here runs the
-real computation beside the symbolic one: every proxy carries the value the eager forward
-would have, so such Python resolves exactly as it does eagerly. The signature guard in
-``tread_fx`` (one trace per input shapes/dtypes/devices/non-tensor arguments) covers the
-specialisation.
-
-Only shape-derived values may be resolved. Python that reads tensor *data* (``bool(t)``,
-``.item()``, ``torch.equal``) or Python-level randomness (``random.random()``) raises
-:class:`DataDependentError`; the submodule in which it happened becomes a leaf (auto-leaf)
-and the trace is retried. When it happens in the model's own ``forward`` the trace is refused
-with the file and line.
+Python that reads shapes; :class:`~tread_fx.passes.trace.value_tracer.ValueTracer` runs the
+real computation beside the symbolic one, so such Python resolves as it does eagerly (the
+signature guard in ``tread_fx``, one trace per input shapes/dtypes/devices/non-tensor
+arguments, covers the specialisation). Where a submodule reads tensor data or draws Python
+random numbers (:class:`DataDependentError`), or does what fx cannot record, it becomes a
+leaf (auto-leaf) and the trace is retried; in the model's own ``forward`` the trace is
+refused with the file and line.
 
 Example:
     >>> import torch
@@ -25,26 +21,20 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import operator
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.fx._symbolic_trace import _orig_module_call
-from torch.fx.proxy import Attribute
 from torch.utils import _pytree as pytree
 
 from tread_fx.adapters.values import TensorMeta
-from tread_fx.passes.trace.concats import record_leaf_concatenation
+from tread_fx.passes.trace.compat import research_code_patches
 from tread_fx.passes.trace.mutation import (
     defining_modules,
     drop_unused_sizes,
-    functional_setitem,
-    is_inplace_method,
     library_function_of,
     module_flags,
     side_effects,
@@ -53,17 +43,17 @@ from tread_fx.passes.trace.mutation import (
 from tread_fx.passes.trace.support import (
     DataDependentError,
     call_python_modules,
-    has_call_hooks,
+    checkpoint_as_plain_call,
+    factories_take_proxies,
     name_placeholders,
+    refuse_python_random,
+    report_grad_mode,
     side_effect_error,
-    store_object_constant,
-    trace_restoring_state,
     traceback_location,
     untraceable_error,
-    user_frame,
 )
-from tread_fx.registry import leaf_functions, leaf_modules
-from tread_fx.runtime.guards import check_traced_length, check_traced_value
+from tread_fx.passes.trace.thread_patch import TRACING_LOCK, fx_patches_in_this_thread
+from tread_fx.passes.trace.value_tracer import EagerFailure, ValueTracer, fetch_attr
 
 __all__ = [
     "TensorMeta",
@@ -71,6 +61,7 @@ __all__ = [
     "DataDependentError",
     "FlatCall",
     "trace_call",
+    "trace_restoring_state",
     "MODEL_PREFIX",
     "ARG_MODULE_PREFIX",
     "fetch_attr",
@@ -79,97 +70,6 @@ __all__ = [
 MODEL_PREFIX = "model."
 ARG_MODULE_PREFIX = "arg_module_"
 _MAX_AUTO_LEAVES = 64
-_METADATA_ATTRS = frozenset(
-    {"shape", "dtype", "device", "ndim", "is_cuda", "requires_grad", "layout", "is_sparse"}
-)
-_METADATA_METHODS = frozenset(
-    {"size", "dim", "numel", "ndimension", "nelement", "is_floating_point", "is_complex",
-     "element_size", "is_contiguous", "get_device", "stride"}
-)  # fmt: skip
-# read as Python values: dtype and device are part of the signature guard (torch.finfo(x.dtype))
-_CONCRETE_ATTRS = frozenset(
-    {"dtype", "device", "layout", "is_cuda", "is_sparse", "is_quantized", "is_nested"}
-)
-_GUARD_KINDS = {"bool()": "bool", "int()": "int", "an index": "int", "float()": "float"}
-_DATA_METHODS = frozenset({"item", "tolist", "numpy", "__bool__", "__int__", "__float__"})
-
-
-class _EagerFailure(Exception):
-    """The model's own code failed on real values: re-raised unchanged to the user."""
-
-    def __init__(self, original: BaseException) -> None:
-        super().__init__(str(original))
-        self.original = original
-
-
-class ValueProxy(fx.Proxy):
-    """A proxy that also knows the value the eager forward computes at this point."""
-
-    @property
-    def value(self) -> Any:
-        return self.tracer.value_of(self)
-
-    def _concrete(self, what: str) -> Any:
-        return self.tracer.concrete(self, what)
-
-    def __bool__(self) -> bool:
-        return bool(self._concrete("bool()"))
-
-    def __int__(self) -> int:
-        return int(self._concrete("int()"))
-
-    def __index__(self) -> int:
-        return operator.index(self._concrete("an index"))
-
-    def __float__(self) -> float:
-        return float(self._concrete("float()"))
-
-    def __len__(self) -> int:
-        return len(self.tracer.structure(self, "len()"))
-
-    def __iter__(self) -> Iterator[fx.Proxy]:
-        value = self.tracer.structure(self, "iteration")
-        for i in range(len(value)):
-            yield self[i]
-
-    def __contains__(self, item: Any) -> bool:
-        return item in self.tracer.structure(self, "`in`")
-
-    def keys(self) -> Any:
-        return self.tracer.structure(self, "keys()").keys()
-
-    def __format__(self, spec: str) -> str:
-        value = self.tracer.value_of(self)
-        if isinstance(value, (int, float, str)) and self.node not in self.tracer.tainted:
-            return format(value, spec)  # shape-derived: f-strings in messages read naturally
-        return format(repr(self), spec)
-
-    def __getattr__(self, name: str) -> Any:
-        value = self.tracer.value_of(self)
-        if name in _CONCRETE_ATTRS and isinstance(value, torch.Tensor):
-            return getattr(value, name)  # part of the signature guard
-        if name == "shape" and isinstance(value, torch.Tensor):
-            # a real tuple (``isinstance(x.shape, tuple)`` holds) of traced sizes
-            return tuple(self.size(i) for i in range(value.dim()))
-        return ValueAttribute(self, name)
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        """``x[key] = value``: one out-of-place node; this object now stands for its result."""
-        written = self.tracer.create_proxy(
-            "call_function", functional_setitem, (self, key, value), {}
-        )
-        self.node = written.node
-
-
-class ValueAttribute(ValueProxy, Attribute):
-    """Lazy attribute access (``x.shape``, ``x.view``) that also carries its value."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        tracer, value = self.tracer, self.tracer.value_of(self.root)
-        model_level = not tracer.module_stack and not tracer.running_eager
-        if self.attr in ("item", "tolist") and model_level and isinstance(value, torch.Tensor):
-            return tracer.guarded(self.root, value, self.attr, f"Tensor.{self.attr}()")
-        return super().__call__(*args, **kwargs)
 
 
 @dataclass
@@ -185,7 +85,6 @@ class TracedCall:
         out_spec: Pytree spec of the model's return value.
         auto_leaves: Paths of submodules made leaves because they could not be traced,
             with the reason.
-        meta: Per-node shape metadata (``TensorMeta`` or a Python value), by node name.
     """
 
     gm: fx.GraphModule
@@ -194,14 +93,6 @@ class TracedCall:
     tensor_positions: tuple[int, ...]
     out_spec: pytree.TreeSpec
     auto_leaves: dict[str, str] = field(default_factory=dict)
-
-
-def _meta_of(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return TensorMeta(tuple(value.shape), value.dtype, value.device)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_meta_of(v) for v in value) if type(value) in (tuple, list) else None
-    return value if isinstance(value, (int, float, bool, str, type(None))) else None
 
 
 class FlatCall(nn.Module):
@@ -235,268 +126,11 @@ class FlatCall(nn.Module):
 
 def _flat_forward(num_tensors: int):
     """Build ``forward(self, t0, ..., tn)``: fx needs real named parameters to trace."""
-    names = [f"t{i}" for i in range(num_tensors)]
-    params = ", ".join(["self", *names])
-    body = f"    return self.call_model(({', '.join(names)}{',' if len(names) == 1 else ''}))\n"
+    names = "".join(f"t{i}, " for i in range(num_tensors))  # a tuple of them: ``(t0, )``
     namespace: dict[str, Any] = {}
-    exec(f"def forward({params}):\n{body}", namespace)  # noqa: S102 - generated signature only
+    source = f"def forward(self, {names}):\n    return self.call_model(({names}))\n"
+    exec(source, namespace)  # noqa: S102 - generated signature only
     return namespace["forward"]
-
-
-class ValueTracer(fx.Tracer):
-    """An fx tracer whose proxies carry the eager values (see module docstring)."""
-
-    def __init__(
-        self, leaf_paths: set[str], example: dict[str, Any], functions=(), through_hooks=False
-    ) -> None:
-        leaves = (*leaf_functions(), *functions)
-        super().__init__(autowrap_functions=leaves, param_shapes_constant=False)
-        self.leaf_function_ids = {id(f) for f in leaves}
-        self.leaf_paths = leaf_paths
-        # modules holding the blocks (an ``nn.TransformerEncoder``'s layers): traced through
-        self.holders = {p.rsplit(".", k)[0] for p in leaf_paths for k in range(1, p.count("."))}
-        self.example = example
-        self.values: dict[fx.Node, Any] = {}
-        self.tainted: set[fx.Node] = set()
-        self.module_stack: list[str] = []
-        self.running_eager = 0
-        self.checkpointed: set[int] = set()
-        self.example_classes: set[tuple] = set()
-        self.through_hooks = through_hooks
-
-    # -- values -----------------------------------------------------------------------------
-    def proxy(self, node: fx.Node) -> fx.Proxy:
-        return ValueProxy(node, self)
-
-    def value_of(self, proxy: fx.Proxy) -> Any:
-        if isinstance(proxy, Attribute) and proxy._node is None:
-            return getattr(self.value_of(proxy.root), proxy.attr)
-        return self.values[proxy.node]
-
-    def _values(self, tree: Any) -> Any:
-        return fx.node.map_aggregate(
-            tree, lambda a: self.value_of(a) if isinstance(a, fx.Proxy) else a
-        )
-
-    def concrete(self, proxy: fx.Proxy, what: str) -> Any:
-        """Return a proxy's Python value if it is shape-derived; a value read from tensor data
-        in the model's own forward is returned with a runtime guard; else refuse."""
-        value = self.value_of(proxy)
-        if isinstance(value, torch.Tensor) and not self.module_stack and not self.running_eager:
-            return self.guarded(proxy, value, _GUARD_KINDS.get(what, "item"), what)
-        if isinstance(value, torch.Tensor) or proxy.node in self.tainted:
-            raise DataDependentError(
-                f"{what} of a value computed from tensor data",
-                self.module_stack[-1] if self.module_stack else None,
-                user_frame(),
-            )
-        return value
-
-    def guarded(self, proxy: fx.Proxy, tensor: torch.Tensor, kind: str, what: str) -> Any:
-        """The Python value of ``tensor`` read as ``kind``, checked on every routed call."""
-        reads = {"bool": bool, "int": int, "float": float, "tolist": torch.Tensor.tolist}
-        value = reads.get(kind, torch.Tensor.item)(tensor)
-        where = user_frame()
-        self.create_proxy("call_function", check_traced_value, (proxy, value, kind, where), {})
-        return value
-
-    def structure(self, proxy: fx.Proxy, what: str) -> Any:
-        """Return a value whose length/iteration is needed; tensors iterate over dim 0 shape.
-        A tuple/list a call on tensors returned (einops ``pack``) is unpacked by its length,
-        checked on every call (:func:`check_traced_length`); its items stay graph values."""
-        value = self.value_of(proxy)
-        if proxy.node in self.tainted:
-            if type(value) in (tuple, list) and what in ("iteration", "len()"):
-                check = (proxy, len(value), user_frame())
-                self.create_proxy("call_function", check_traced_length, check, {})
-            else:
-                self.concrete(proxy, what)
-        return value
-
-    def _run(self, kind: str, target: Any, args: tuple, kwargs: dict) -> Any:
-        args, kwargs = self._values(args), self._values(kwargs)
-        self.running_eager += 1
-        try:
-            if kind == "call_function":
-                return target(*args, **kwargs)
-            if kind == "call_method":
-                return getattr(args[0], target)(*args[1:], **kwargs)
-            if kind == "call_module":
-                return _orig_module_call(self.root.get_submodule(target), *args, **kwargs)
-            if kind == "get_attr":
-                return fetch_attr(self.root, target)
-        except DataDependentError:
-            raise
-        except Exception as err:  # the model's own code failed on real values
-            raise _EagerFailure(err) from err
-        finally:
-            self.running_eager -= 1
-        raise AssertionError(f"unexpected node kind {kind}")
-
-    def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, **extra):
-        if kind == "call_method" and target in _DATA_METHODS:
-            raise DataDependentError(
-                f"Tensor.{target}()",
-                self.module_stack[-1] if self.module_stack else None,
-                user_frame(),
-            )
-        if kind == "placeholder":
-            value = self.example[target]
-        else:
-            value = self._run(kind, target, args, kwargs)
-        proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, **extra)
-        node = proxy.node
-        if is_inplace_method(node):
-            node.meta["tread_where"] = user_frame()
-        if kind == "call_module" and id(self.root.get_submodule(target)) in self.checkpointed:
-            node.meta["tread_checkpoint"] = True
-        if kind == "call_module" and target in self.leaf_paths:
-            self._keep_example_inputs(node, target, args, kwargs)
-        self.values[node] = value
-        node.meta["tread_meta"] = _meta_of(value)
-        if kind == "call_function" and id(target) in self.leaf_function_ids:
-            record_leaf_concatenation(node, value, self.values)  # pack([x, registers])
-        if self._is_tainted(kind, target, node, value):
-            self.tainted.add(node)
-        return proxy
-
-    def _keep_example_inputs(self, node: fx.Node, target: str, args, kwargs) -> None:
-        """Keep the real inputs of each leaf class's first call of each signature
-        (``tread_fx/passes/plan/inline_tables.py`` and ``tread_fx/passes/plan/uses.py`` trace
-        routed blocks through on
-        them; the pipeline drops them after planning)."""
-        values = self._values((args, kwargs))
-        key = (type(self.root.get_submodule(target)), _call_signature(values))
-        if key not in self.example_classes:
-            self.example_classes.add(key)
-            node.meta["tread_example_inputs"] = values
-
-    def create_arg(self, a: Any) -> Any:
-        """Give ``get_attr`` nodes that fx makes for tensor attributes their value and meta.
-
-        An object fx has no argument type for (a cache the forward hands its blocks) becomes
-        a constant of this trace, like the non-tensor inputs it came from (see
-        :func:`store_object_constant`).
-        """
-        try:
-            arg = super().create_arg(a)
-        except NotImplementedError:
-            name = store_object_constant(self.root, a)
-            if name is None:
-                raise
-            arg = self.create_node("get_attr", name, (), {})
-        if isinstance(arg, fx.Node) and arg.op == "get_attr" and arg not in self.values:
-            value = fetch_attr(self.root, arg.target)
-            self.values[arg] = value
-            arg.meta["tread_meta"] = _meta_of(value)
-        return arg
-
-    def _is_tainted(self, kind: str, target: Any, node: fx.Node, value: Any) -> bool:
-        if isinstance(value, torch.Tensor) or kind not in ("call_function", "call_method"):
-            return False
-        if _all_tensors(value):  # chunk/split/unbind: only the count is read, and it is shape
-            return False
-        inputs = node.all_input_nodes
-        if any(n in self.tainted for n in inputs):
-            return True
-        if not any(isinstance(self.values.get(n), torch.Tensor) for n in inputs):
-            return False
-        if kind == "call_method":
-            return target not in _METADATA_METHODS
-        if target is getattr:
-            return node.args[1] not in _METADATA_ATTRS
-        return target not in (len, torch.numel, operator.getitem)
-
-    # -- modules ----------------------------------------------------------------------------
-    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        if module_qualified_name in self.leaf_paths or isinstance(m, leaf_modules()):
-            return True
-        if has_call_hooks(m):  # FSDP2 units, checkpoint hooks: called, so the hooks still run
-            return not self.through_hooks
-        if module_qualified_name in self.holders:  # torch.nn's own too: its blocks are seen
-            return False
-        return super().is_leaf_module(m, module_qualified_name)
-
-    def call_module(self, m: nn.Module, forward, args: tuple, kwargs: dict) -> Any:
-        if self.running_eager:
-            return forward(*args, **kwargs)
-        path = self.path_of_module(m)
-        if self.is_leaf_module(m, path):
-            return self.create_proxy("call_module", path, args, kwargs)
-        self.module_stack.append(path)
-        try:
-            if self.through_hooks and has_call_hooks(m):
-                return self._trace_inside_hooks(m, args, kwargs)
-            return forward(*args, **kwargs)
-        except (DataDependentError, _EagerFailure):
-            raise
-        except Exception as err:  # remember the innermost module that failed to trace
-            if getattr(err, "tread_module_path", None) is None:
-                err.tread_module_path = path
-            raise
-        finally:
-            self.module_stack.pop()
-
-    def _trace_inside_hooks(self, m: nn.Module, args: tuple, kwargs: dict) -> Any:
-        """Trace ``m.forward`` from inside a real call of ``m``: its hooks run on the values
-        (FSDP2 gathers the parameters the forward reads), the forward is traced on the
-        proxies. For a graph that is only read (:mod:`tread_fx.passes.plan.uses`), never run."""
-        traced: list[Any] = []
-        own = m.__dict__.get("forward")
-        original = m.forward
-
-        def forward_traced(*_values: Any, **_kw: Any) -> Any:
-            traced.append(original(*args, **kwargs))
-            return self._values(traced[-1])
-
-        m.forward = forward_traced
-        try:
-            _orig_module_call(m, *self._values(args), **self._values(kwargs))
-        finally:
-            if own is None:
-                del m.forward
-            else:
-                m.forward = own
-        return traced[-1]
-
-    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict) -> Any:
-        if self.running_eager:
-            return attr_val
-        return super().getattr(attr, attr_val, parameter_proxy_cache)
-
-
-def _call_signature(values: Any) -> tuple:
-    """What tells two calls of a leaf class apart: structure, tensor shapes and dtypes, plain
-    constants (a hybrid stack's attention layers get a mask its SSM layers do not)."""
-    leaves, spec = pytree.tree_flatten(values)
-    plain = (int, float, bool, str, type(None))
-    return str(spec), tuple(
-        (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor)
-        else v if isinstance(v, plain) else id(v)
-        for v in leaves
-    )  # fmt: skip
-
-
-def _all_tensors(value: Any) -> bool:
-    """Whether ``value`` is a non-empty tuple/list of tensors (its length is shape-derived)."""
-    return (
-        isinstance(value, (tuple, list))
-        and len(value) > 0
-        and all(isinstance(v, torch.Tensor) for v in value)
-    )
-
-
-def fetch_attr(root: nn.Module, target: str) -> Any:
-    """The attribute at a dotted ``target`` of ``root`` (a ``get_attr`` node's value).
-
-    Example:
-        >>> fetch_attr(nn.Sequential(nn.Linear(2, 3)), "0.bias").shape
-        torch.Size([3])
-    """
-    obj: Any = root
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def _new_leaf(path: str | None, auto_leaves: dict[str, str]) -> str | None:
@@ -561,7 +195,7 @@ def trace_call(
             if retraced:  # the forward changes the module on every call: never replay that
                 raise side_effect_error(model, effects)
             retraced, flags = True, module_flags(model)  # once, for real: trace after them
-        except _EagerFailure as failure:
+        except EagerFailure as failure:
             with contextlib.suppress(AttributeError):  # the model's own: never "internal"
                 failure.original.tread_model_error = True
             raise failure.original from None
@@ -585,3 +219,33 @@ def trace_call(
     gm = fx.GraphModule(wrapper, graph, class_name=type(model).__name__ + "Traced")
     name_placeholders(gm.graph, (args, kwargs), wrapper.tensor_positions)
     return TracedCall(gm, wrapper, in_spec, wrapper.tensor_positions, wrapper.out_spec, auto_leaves)
+
+
+def trace_restoring_state(
+    tracer: fx.Tracer, wrapper: nn.Module, model: nn.Module, tensors: list[torch.Tensor]
+) -> fx.Graph:
+    """``tracer.trace(wrapper)`` under no_grad, leaving RNG state and ``model``'s buffers
+    (BatchNorm statistics) as they were; Python ``random`` is refused, factories take
+    proxies, checkpointed calls are traced as plain calls, and the patches for community and
+    research code apply (:mod:`tread_fx.passes.trace.compat`). Every patch is seen by this
+    thread only, and ``TRACING_LOCK`` lets one thread trace at a time."""
+    devices = sorted({t.device.index for t in tensors if t.device.type == "cuda"})
+    grad_mode = torch.is_grad_enabled()
+    with TRACING_LOCK:
+        buffers = [(b, b.detach().clone()) for b in model.buffers()]
+        try:
+            with (
+                torch.random.fork_rng(devices=devices),
+                torch.no_grad(),
+                fx_patches_in_this_thread(),
+                report_grad_mode(tracer, grad_mode),
+                factories_take_proxies(tracer),
+                refuse_python_random(tracer),
+                checkpoint_as_plain_call(tracer, model),
+                research_code_patches(tracer, model),
+            ):
+                return tracer.trace(wrapper)
+        finally:
+            with torch.no_grad():
+                for live, saved in buffers:
+                    live.copy_(saved)
