@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from benchmarks.coverage_checks import Case
-from tread_fx.passes.locate.stream import candidate_stacks
+from tread_fx.passes.locate.stacks import candidate_stacks
 
 __all__ = [
     "MIN_LAYERS",

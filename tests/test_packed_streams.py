@@ -311,7 +311,7 @@ def test_compiled():
 
 
 def test_a_packed_stream_of_one_token_is_refused():
-    from tread_fx.passes.locate.packed import packed_layout
+    from tread_fx.passes.locate.dims import packed_layout
 
     with pytest.raises(TokenStreamError, match="1 token, so routing would save nothing"):
         packed_layout((1, D))

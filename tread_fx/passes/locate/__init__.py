@@ -1,10 +1,12 @@
 """Stage 2, locate: a ``TracedCall`` in, a ``StreamInfo`` out (the blocks and the token stream).
 
-:mod:`.stacks` finds the candidate block stacks, :mod:`.stream` the calls of the chosen one and
-the layout of the tensor flowing through it, :mod:`.choice` which stream to route when several
-are carried. The layout's details each have a module: :mod:`.layout` (the ``StreamLayout`` and
-grids), :mod:`.joint` (a never-routed prefix and suffix), :mod:`.packed` (packed sequences),
-:mod:`.token_major` (``(N, B, C)`` streams), :mod:`.role_masks`, :mod:`.member_entry`,
-:mod:`.stream_lists`, :mod:`.positions` and :mod:`.thin_routes`; :mod:`.dataflow` holds the
-graph walks they share.
+:mod:`.stacks` finds the candidate block stacks and chooses one, :mod:`.stream` the calls of
+the chosen one and the slots the token stream takes through them, :mod:`.dims` the stream's
+batch and token dims (packed and token-major streams too) and its never-routed prefix and
+suffix. :mod:`.choice` chooses which stream to route when several are carried (asking
+:mod:`.positions` which positions reach the output, and whether data decides them) and
+reports a stack that holds few of the blocks. :mod:`.member_entry` finds where the stream
+enters a member that is a list of sub-blocks, :mod:`.layout` the stream's layout across
+chained lists (for the plan stage); :mod:`.dataflow` holds the graph walks and call slots
+they share.
 """

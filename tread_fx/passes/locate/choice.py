@@ -22,7 +22,13 @@ like the first output, then the first in the forward's order; and the choice is 
 (:class:`StreamChoice`, a :class:`~tread_fx.errors.StreamChoiceWarning` at the first routed
 call, ``explain``). ``route(..., stream=...)`` names the input instead. No name decides:
 names are shown only. A stream whose image positions a per-token mask computed from data
-decides (:mod:`tread_fx.passes.locate.role_masks`) is refused.
+decides (:func:`~tread_fx.passes.locate.positions.role_mask`) is refused.
+
+A default stack split over several lists (U-ViT's ``in_blocks`` / ``out_blocks`` with long
+skips) may be taken only in part, where the stream's way into a later list is unclear: routes
+then save little, without error. :func:`thin_stack` reports a stack that holds under half the
+blocks the stream flows through (counted by data flow: the lists that carry it, and modules of
+their blocks' class outside every list, U-ViT's mid block).
 
 Example:
     >>> # used by tread_fx.pipeline.build: info = choose_stream(traced, model, paths, ...)
@@ -37,14 +43,14 @@ import torch.fx as fx
 from torch import nn
 
 from tread_fx.errors import TokenStreamError, TreadFxError
+from tread_fx.passes.locate.dataflow import data_ancestors, fed_by, input_slots, tensor_meta
 from tread_fx.passes.locate.positions import ALL as _ALL_SPAN
-from tread_fx.passes.locate.positions import Span, reaches_output
-from tread_fx.passes.locate.role_masks import role_mask
-from tread_fx.passes.locate.stacks import ancestors, block_calls, input_slots, main_input
+from tread_fx.passes.locate.positions import Span, reaches_output, role_mask
+from tread_fx.passes.locate.stacks import block_calls, carrying_lists, main_input
 from tread_fx.passes.locate.stream import StreamInfo, locate
 from tread_fx.passes.trace.tracer import TensorMeta, TracedCall
 
-__all__ = ["StreamChoice", "choose_stream", "input_label", "check_stream_option"]
+__all__ = ["StreamChoice", "choose_stream", "input_label", "check_stream_option", "thin_stack"]
 
 
 @dataclass
@@ -86,17 +92,17 @@ def _forward_params(model: nn.Module) -> list[inspect.Parameter]:
         return []
 
 
+def _positional(params: list[inspect.Parameter]) -> list[str]:
+    return [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
 def input_label(model: nn.Module, placeholder: fx.Node) -> str:
     """The forward argument a traced tensor input came from (``"x"``; ``"arg2"`` if unknown)."""
     name = placeholder.meta.get("tread_input_name", placeholder.name)
     if name.startswith("arg") and name[3:].isdigit():
-        positional = [
-            p
-            for p in _forward_params(model)
-            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-        ]
+        positional = _positional(_forward_params(model))
         index = int(name[3:])
-        return positional[index].name if index < len(positional) else name
+        return positional[index] if index < len(positional) else name
     return name
 
 
@@ -110,7 +116,7 @@ def check_stream_option(model: nn.Module, stream: object) -> None:
         return
     params = _forward_params(model)
     names = [p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    positional = _positional(params)
     open_kw = any(p.kind is p.VAR_KEYWORD for p in params) or not params
     open_pos = any(p.kind is p.VAR_POSITIONAL for p in params) or not params
     ok = (isinstance(stream, str) and (stream in names or open_kw)) or (
@@ -127,11 +133,7 @@ def check_stream_option(model: nn.Module, stream: object) -> None:
 def _matches(model: nn.Module, placeholder: fx.Node, stream: str | int) -> bool:
     name = placeholder.meta.get("tread_input_name", "")
     if isinstance(stream, int):
-        positional = [
-            p.name
-            for p in _forward_params(model)
-            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-        ]
+        positional = _positional(_forward_params(model))
         by_name = stream < len(positional) and name == positional[stream]
         return name == f"arg{stream}" or by_name
     return input_label(model, placeholder) == stream
@@ -156,13 +158,13 @@ def _candidates(graph: fx.Graph, calls: dict) -> list[fx.Node]:
     starts = [nodes[0] for nodes in calls.values() if nodes]
     feeding: set = set()
     for node in starts:
-        feeding |= ancestors(node, set())
+        feeding |= data_ancestors(node, set())
     inputs = [
         n
         for n in graph.nodes
         if n.op == "placeholder"
         and n in feeding
-        and isinstance(meta := n.meta.get("tread_meta"), TensorMeta)
+        and (meta := tensor_meta(n)) is not None
         and len(meta.shape) >= 2
     ]
     return [first, *(n for n in inputs if n is not first)]
@@ -173,13 +175,9 @@ def _hands_on(info: StreamInfo, block_nodes: set[fx.Node]) -> bool:
     position ids feed every block's RoPE table, so a later list's stream descends from
     them through the earlier blocks) and handed from block to block."""
     first = info.blocks[0]
-    direct = ancestors(first.stream_in, block_nodes)
-    if first.stream_in is not info.primary and info.primary not in direct:
+    if not fed_by(first.stream_in, info.primary, block_nodes):
         return False
-    if info.depth < 2:
-        return True
-    following = info.blocks[1].stream_in
-    return first.node is following or first.node in ancestors(following, set())
+    return info.depth < 2 or fed_by(info.blocks[1].stream_in, first.node)
 
 
 def _block_steps(info: StreamInfo, calls: dict) -> dict:
@@ -214,11 +212,7 @@ def _carried_in_slots(nodes: list[fx.Node]) -> set | None:
     """Argument slots a list's blocks hand on (``None``: unknown, a one-block list)."""
     if len(nodes) < 2:
         return None
-    return {
-        k
-        for k, v in input_slots(nodes[1]).items()
-        if v is nodes[0] or nodes[0] in ancestors(v, set(nodes))
-    }
+    return {k for k, v in input_slots(nodes[1]).items() if fed_by(v, nodes[0], set(nodes))}
 
 
 def _other_block_step(call: fx.Node, carried: set | None):
@@ -273,16 +267,9 @@ def choose_stream(
 ) -> StreamInfo:
     """Locate the stack and the routed stream, choosing among the model's inputs by data flow.
 
-    Args:
-        traced: The traced call.
-        model: The model.
-        list_paths: Candidate container paths (or the user's ``blocks=``).
-        explicit: Whether ``list_paths`` came from the user.
-        keep_prefix: Leading tokens never routed (``None``: detect).
-        stream: The user's ``stream=`` (a forward argument name or position), or ``None``.
-
-    Returns:
-        The :class:`StreamInfo` of the chosen stream, its ``choice`` filled in.
+    The arguments are :func:`~tread_fx.passes.locate.stream.locate`'s, and ``stream`` is the
+    user's ``stream=`` (a forward argument name or position, or ``None``). Returns the
+    :class:`StreamInfo` of the chosen stream, its ``choice`` filled in.
     """
     if stream is not None:
         primary = _stream_input(traced, model, stream)
@@ -335,34 +322,84 @@ def _refuse_role_masks(model: nn.Module, info: StreamInfo) -> StreamInfo:
 
 
 def _decide(model: nn.Module, infos: list[StreamInfo], reaching: list[StreamInfo]) -> StreamInfo:
-    described = [_describe(model, info) for info in infos]
-    if len(reaching) == 1:
-        chosen = reaching[0]
-        dropped = len(infos) - 1
+    guessed = len(reaching) > 1
+    if not guessed:
+        chosen, dropped = reaching[0], len(infos) - 1
         reason = (
             "the only input whose tokens the blocks hand on"
             if not dropped
             else f"data flow: the selectable tokens of the other {dropped} candidate(s) never "
             "reach the model's output"
         )
-        chosen.choice = StreamChoice(
-            _describe(model, chosen), reason, described, option=_option(model, chosen)
+    else:
+        most = max(_routable(info) for info in reaching)
+        chosen = next(info for info in reaching if _routable(info) == most)
+        tied = sum(_routable(info) == most for info in reaching) > 1
+        reason = (
+            "the rule: most selectable tokens, then the input shaped like the first output, "
+            "then the forward's argument order"
+            + ("; several have as many tokens" if tied else f"; it has the most ({most})")
         )
-        return chosen
-    most = max(_routable(info) for info in reaching)
-    chosen = next(info for info in reaching if _routable(info) == most)
-    tied = sum(_routable(info) == most for info in reaching) > 1
-    reason = (
-        "the rule: most selectable tokens, then the input shaped like the first output, then "
-        "the forward's argument order"
-        + ("; several have as many tokens" if tied else f"; it has the most ({most})")
-    )
     chosen.choice = StreamChoice(
         _describe(model, chosen),
         reason,
-        described,
-        guessed=True,
+        [_describe(model, info) for info in infos],
+        guessed=guessed,
         option=_option(model, chosen),
         others=[_option(model, info) for info in reaching if info is not chosen],
     )
     return chosen
+
+
+def thin_stack(
+    traced: TracedCall,
+    model: nn.Module,
+    info: StreamInfo,
+    list_paths: list[str],
+    keep_prefix: int | None,
+) -> str | None:
+    """A warning (with the count and a ``blocks=`` that covers more) when ``info``, located
+    without ``blocks=``, holds under half the blocks of ``list_paths`` that carry the stream;
+    ``None`` when it does not. ``keep_prefix`` checks the suggested ``blocks=``."""
+    calls = block_calls(traced, list_paths)
+    carrying = carrying_lists(model, calls, info.primary)
+    loose = _loose_blocks(model, carrying, list_paths)
+    total = sum(len(calls[p]) for p in carrying) + len(loose)
+    if info.depth * 2 >= total:
+        return None
+    order = {n: i for i, n in enumerate(traced.gm.graph.nodes)}
+    carrying.sort(key=lambda p: order[calls[p][0]])
+    try:
+        wider = locate(traced, model, carrying, True, keep_prefix, info.primary)
+        hint = f"pass blocks={carrying} to route() to span {wider.depth} blocks"
+    except TreadFxError:
+        others = [p for p in carrying if p not in info.list_paths]
+        largest = max(others, key=lambda p: len(calls[p]), default=None)
+        if largest is not None and len(calls[largest]) > info.depth:
+            hint = (
+                f"they do not form one stack that data flow can follow; pass "
+                f"blocks={largest!r} ({len(calls[largest])} blocks) to route() to route those"
+            )
+        else:
+            hint = (
+                "no other blocks= spans more of them as one stack here (the data flow does "
+                "not show how the stream passes from one list to the next)"
+            )
+    counts = ", ".join([*(f"{p}: {len(calls[p])}" for p in carrying), *(f"{p}: 1" for p in loose)])
+    return (
+        f"the routes span the block stack {' + '.join(info.list_paths)}, {info.depth} of the "
+        f"{total} blocks the token stream flows through ({counts}), so they save less than "
+        f"they could; {hint}."
+    )
+
+
+def _loose_blocks(model: nn.Module, carrying: list[str], list_paths: list[str]) -> list[str]:
+    """Modules of a carrying list's block class that sit outside every block list (U-ViT's
+    mid block): they carry the stream too, though no list holds them."""
+    classes = {type(m) for p in carrying for m in model.get_submodule(p).children()}
+    inside = tuple(f"{p}." for p in list_paths)
+    return [
+        path
+        for path, module in model.named_modules()
+        if path and type(module) in classes and not path.startswith(inside)
+    ]

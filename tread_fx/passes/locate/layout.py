@@ -19,8 +19,8 @@ import networkx as nx
 import torch.fx as fx
 
 from tread_fx.errors import SideInputError, TokenStreamError
-from tread_fx.passes.locate.stacks import argument_items
-from tread_fx.passes.locate.stream import BlockCall, StreamInfo, input_slots, output_slots
+from tread_fx.passes.locate.dataflow import argument_items, input_slots, int_value, output_slots
+from tread_fx.passes.locate.stream import BlockCall, StreamInfo
 from tread_fx.passes.trace.concats import concatenation_parts
 from tread_fx.routes import Route
 
@@ -277,7 +277,7 @@ def grid_in_block_arguments(info: StreamInfo, tokens: int) -> tuple[int, ...] | 
 
 def int_arguments(node: fx.Node) -> list[tuple[tuple, int]]:
     """``(slot, value)`` of each top-level int argument of a call (literal or computed)."""
-    return [(k, _int_value(a)) for k, a in argument_items(node) if _int_value(a) is not None]
+    return [(k, int_value(a)) for k, a in argument_items(node) if int_value(a) is not None]
 
 
 def _int_run(node: fx.Node, grid: tuple[int, ...]) -> list[tuple] | None:
@@ -288,10 +288,3 @@ def _int_run(node: fx.Node, grid: tuple[int, ...]) -> list[tuple] | None:
         if tuple(v for _, v in window) == grid:
             return [k for k, _ in window]
     return None
-
-
-def _int_value(arg: object) -> int | None:
-    """An int argument, literal or computed from shapes in the graph (``H // p``)."""
-    if isinstance(arg, fx.Node):
-        arg = arg.meta.get("tread_meta")
-    return arg if type(arg) is int else None

@@ -21,16 +21,14 @@ from typing import Any
 import networkx as nx
 import torch.fx as fx
 
-from tread_fx.passes.locate.dataflow import data_ancestors
-from tread_fx.passes.locate.stacks import input_slots
-from tread_fx.passes.trace.tracer import TensorMeta
+from tread_fx.passes.locate.dataflow import data_ancestors, input_slots, tensor_meta
 
 __all__ = ["handed_into_member", "member_prologue", "stream_entering"]
 
 
 def _shape(node: Any) -> tuple | None:
-    meta = node.meta.get("tread_meta") if isinstance(node, fx.Node) else None
-    return meta.shape if isinstance(meta, TensorMeta) else None
+    meta = tensor_meta(node)
+    return meta.shape if meta is not None else None
 
 
 def _is_nested(block: Any) -> bool:
@@ -39,19 +37,11 @@ def _is_nested(block: Any) -> bool:
 
 
 def handed_into_member(block: Any, prev: Any, value: fx.Node, block_nodes: set) -> fx.Node:
-    """The stream entering ``block``: ``value`` (what its first call receives in the stream
-    slot), or, for a nested member whose first call receives a value of another shape than
-    the stream ``prev`` took, the one stream-shaped value that value is computed from (by
-    code, no module call between) and that the member before computed.
-
-    Args:
-        block: The ``BlockCall`` (its first sub-block call).
-        prev: The block before it, or ``None``.
-        value: The value in the block call's stream slot.
-        block_nodes: All block call nodes (a boundary of the data-flow search).
-
-    Returns:
-        The node holding the stream at the member's boundary.
+    """The stream entering ``block`` (a ``BlockCall``): ``value`` (what its first call
+    receives in the stream slot), or, for a nested member whose first call receives a value
+    of another shape than the stream ``prev`` (the block before, or ``None``) took, the one
+    stream-shaped value that value is computed from (by code, no module call between) and
+    that the member before computed (not searching past ``block_nodes``).
     """
     if prev is None or prev.list_path != block.list_path or not _is_nested(block):
         return value
@@ -73,16 +63,10 @@ def handed_into_member(block: Any, prev: Any, value: fx.Node, block_nodes: set) 
 
 
 def stream_entering(block: Any) -> fx.Node:
-    """The stream entering ``block`` in the graph as it is now: what its call receives in the
-    stream slot (a route planned and rewritten before may have replaced the located value by
-    its scatter), or, for a member whose own code changes the stream's shape before its first
-    call, the value that code starts from (``block.stream_in``, as located).
-
-    Args:
-        block: The ``BlockCall``.
-
-    Returns:
-        The node holding the stream at the member's boundary.
+    """The stream entering ``block`` (a ``BlockCall``) in the graph as it is now: what its
+    call receives in the stream slot (a route planned and rewritten before may have replaced
+    the located value by its scatter), or, for a member whose own code changes the stream's
+    shape before its first call, the value that code starts from (``block.stream_in``).
     """
     slot = input_slots(block.node).get(block.in_slot)
     if slot is block.stream_in or _shape(slot) == _shape(block.stream_in):
@@ -101,12 +85,8 @@ def _scattered(node: fx.Node) -> fx.Node:
 
 
 def member_prologue(g: nx.DiGraph, block: Any) -> set[fx.Node]:
-    """Nodes between the stream entering ``block`` and its first call (the member's own code
-    before that call); empty where the call receives the stream itself.
-
-    Args:
-        g: The networkx data-flow graph.
-        block: The ``BlockCall``.
+    """Nodes of the data-flow graph ``g`` between the stream entering ``block`` and its first
+    call (the member's own code before that call); empty where the call receives the stream.
     """
     entering = stream_entering(block)
     if input_slots(block.node).get(block.in_slot) is entering:

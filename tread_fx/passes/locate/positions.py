@@ -1,14 +1,22 @@
-"""Which token positions of a stream reach the model's output: a forward walk over the graph.
+"""Which token positions of a candidate stream are the noisy input's: a forward walk over the
+graph, and the per-token masks computed from data that decide them instead.
 
 The stream choice (:mod:`tread_fx.passes.locate.choice`) asks, for a candidate stream, whether
-the positions a route would select there are the ones the prediction is read from. Starting at
-the stream entering the stack's first block with a span ``[lo, hi)`` of its token dim, the walk
-follows values forward: a block passes the span from the argument that carries the stream to
-the output that carries it on (attention mixing other positions in is not positional flow);
-slices, ``narrow`` and ``split``/``chunk`` along the token dim cut it; a concatenation along
-the token dim shifts it; any op that keeps the token dim keeps it. Where the walk cannot follow
-positions (a reshape folding the tokens away) the value counts as carrying the span, so the
-answer errs towards "reaches".
+the positions a route would select there are the ones the prediction is read from
+(:func:`reaches_output`). Starting at the stream entering the stack's first block with a span
+``[lo, hi)`` of its token dim, the walk follows values forward: a block passes the span from
+the argument that carries the stream to the output that carries it on (attention mixing other
+positions in is not positional flow); slices, ``narrow`` and ``split``/``chunk`` along the
+token dim cut it; a concatenation along the token dim shifts it; any op that keeps the token
+dim keeps it. Where the walk cannot follow positions (a reshape folding the tokens away) the
+value counts as carrying the span, so the answer errs towards "reaches".
+
+Some models pack text and image into one sequence of fixed length and tell each position's
+role by data (:func:`role_mask`): the noisy input is multiplied by a mask (``indicator ==
+IMAGE``), another input by its complement, and the two are added; or the noisy input's tokens
+are written in at positions an index input gives (``index_copy(1, video_indices, video)``).
+Which positions are image tokens is then a property of the data, not of the graph: a route
+would select text positions as well. Such a stream is refused (never routed by a guess).
 
 Example:
     >>> # used by tread_fx.passes.locate.choice; reaches_output(info, lo, hi) -> bool
@@ -23,14 +31,26 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from tread_fx.passes.locate.dataflow import data_inputs
+from tread_fx.passes.locate.dataflow import (
+    data_ancestors,
+    data_inputs,
+    fed_by,
+    int_value,
+    tensor_meta,
+)
+from tread_fx.passes.locate.stream import StreamInfo
 from tread_fx.passes.trace.tracer import TensorMeta
 
-__all__ = ["ALL", "Span", "reaches_output"]
+__all__ = ["ALL", "Span", "reaches_output", "role_mask"]
 
 _SPLITS = frozenset({"split", "chunk", "tensor_split", "unbind"})
 _CATS = (torch.cat, torch.concat, torch.concatenate)
 ALL = _ALL = "all"  # the value depends on the span, positions no longer followed
+_MULS = {operator.mul, operator.imul, torch.mul, "mul", "mul_"}
+_ADDS = {operator.add, operator.iadd, torch.add, "add", "add_"}
+_COMPARE = {operator.eq, operator.ne, torch.eq, torch.ne, "eq", "ne", "__eq__", "__ne__"}
+# writes of a source along a dim at positions given by an index tensor: (dim, index, source)
+_INDEX_WRITES = {"index_copy", "index_copy_", "index_add", "index_add_", "scatter", "scatter_"}
 
 
 @dataclass(frozen=True)
@@ -47,15 +67,20 @@ class Span:
         return self.lo >= self.hi
 
 
+def _window(span: Span, start: int, length: int, dim: int) -> Span | None:
+    """The part of ``span`` in ``[start, start + length)``, re-based to it (``None``: none)."""
+    new = Span(max(span.lo, start) - start, min(span.hi, start + length) - start, dim, length)
+    return None if new.empty else new
+
+
+def _op_name(node: fx.Node) -> str:
+    target = node.target
+    return target if isinstance(target, str) else getattr(target, "__name__", "")
+
+
 def _shape(node: object) -> tuple | None:
-    meta = node.meta.get("tread_meta") if isinstance(node, fx.Node) else None
-    return tuple(meta.shape) if isinstance(meta, TensorMeta) else None
-
-
-def _int(value: object) -> int | None:
-    if isinstance(value, fx.Node):
-        value = value.meta.get("tread_meta")
-    return value if type(value) is int else None
+    meta = tensor_meta(node)
+    return tuple(meta.shape) if meta is not None else None
 
 
 def _arg(node: fx.Node, i: int, name: str, default: object = None) -> object:
@@ -78,7 +103,7 @@ def _slice_span(span: Span, index: object, rank: int) -> Span | str | None:
     of slices, ints, ``None`` and ``Ellipsis`` (a tensor index loses the positions)."""
     items = list(index) if isinstance(index, tuple) else [index]
     plain = (type(None), type(Ellipsis), int, slice)
-    if any(not isinstance(i, plain) and _int(i) is None for i in items):
+    if any(not isinstance(i, plain) and int_value(i) is None for i in items):
         return _ALL
     if any(i is Ellipsis for i in items):
         at = next(k for k, i in enumerate(items) if i is Ellipsis)
@@ -100,22 +125,21 @@ def _slice_span(span: Span, index: object, rank: int) -> Span | str | None:
 def _cut(span: Span, item: object, new_dim: int) -> Span | str | None:
     """The span after indexing its dim with ``item`` (a slice or an int)."""
     if not isinstance(item, slice):
-        at = _int(item)
+        at = int_value(item)
         return _ALL if span.lo <= at % span.size < span.hi else None
     bounds = (item.start, item.stop, item.step)
-    values = tuple(None if b is None else _int(b) for b in bounds)
+    values = tuple(None if b is None else int_value(b) for b in bounds)
     if any(v is None and b is not None for v, b in zip(values, bounds)):
         return _ALL
     lo, hi, step = slice(*values).indices(span.size)
     if step != 1:
         return _ALL
-    new = Span(max(span.lo, lo) - lo, min(span.hi, hi) - lo, new_dim, max(hi - lo, 0))
-    return None if new.empty else new
+    return _window(span, lo, max(hi - lo, 0), new_dim)
 
 
 def _cat_span(node: fx.Node, source: fx.Node, span: Span) -> Span | str | None:
     parts = node.args[0] if node.args else node.kwargs.get("tensors", ())
-    dim = _int(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0))
+    dim = int_value(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0))
     out = _shape(node)
     if out is None or dim is None or not isinstance(parts, (tuple, list)):
         return _ALL
@@ -138,8 +162,8 @@ def _split_spans(node: fx.Node, span: Span) -> dict | str:
     pieces = [tuple(m.shape) if isinstance(m, TensorMeta) else None for m in (meta or ())]
     if not pieces or any(p is None for p in pieces):
         return _ALL
-    target = node.target if isinstance(node.target, str) else node.target.__name__
-    dim = _int(_arg(node, 2, "dim", 0))
+    target = _op_name(node)
+    dim = int_value(_arg(node, 2, "dim", 0))
     if dim is None:
         return _ALL
     if dim % (len(pieces[0]) + (target == "unbind")) != span.dim:
@@ -148,12 +172,8 @@ def _split_spans(node: fx.Node, span: Span) -> dict | str:
         return {("item", i): (_ALL if span.lo <= i < span.hi else None) for i in range(len(pieces))}
     spans, offset = {}, 0
     for i, piece in enumerate(pieces):
-        size = piece[span.dim]
-        new = Span(
-            max(span.lo, offset) - offset, min(span.hi, offset + size) - offset, span.dim, size
-        )
-        spans[("item", i)] = None if new.empty else new
-        offset += size
+        spans[("item", i)] = _window(span, offset, piece[span.dim], span.dim)
+        offset += piece[span.dim]
     return spans
 
 
@@ -180,36 +200,26 @@ def _step(node: fx.Node, user: fx.Node, span: object, blocks: dict) -> object:
         return None  # only the dtype, device or shape of the stream is read
     if span == _ALL:
         return _ALL
-    name = user.target if isinstance(user.target, str) else getattr(user.target, "__name__", "")
+    name = _op_name(user)
     if user.op == "call_function" and user.target in _CATS:
         return _cat_span(user, node, span)
     if name in _SPLITS and user.op in ("call_function", "call_method"):
         return _split_spans(user, span)
     if name == "narrow" and user.op in ("call_function", "call_method"):
         dim, start, length = (
-            _int(_arg(user, i, k)) for i, k in ((1, "dim"), (2, "start"), (3, "length"))
+            int_value(_arg(user, i, k)) for i, k in ((1, "dim"), (2, "start"), (3, "length"))
         )
         if None in (dim, start, length) or dim % (len(_shape(user) or ())) != span.dim:
             return _keep(span, _shape(user))
-        new = Span(
-            max(span.lo, start) - start, min(span.hi, start + length) - start, span.dim, length
-        )
-        return None if new.empty else new
+        return _window(span, start, length, span.dim)
     return _keep(span, _shape(user))
 
 
 def reaches_output(start: fx.Node, span: Span, blocks: dict) -> bool:
-    """Whether positions ``span`` of ``start`` reach the graph's output.
-
-    Args:
-        start: The stream entering the stack's first block.
-        span: The positions in question (the ones a route would select).
-        blocks: ``{block call node: fn(input node, span) -> span of its output}`` for the
-            stack's blocks (a block hands positions on only from its stream argument).
-
-    Returns:
-        ``True`` if some of those positions (or a value computed from them whose positions
-        the walk lost) reach the output.
+    """Whether positions ``span`` of ``start`` (the stream entering the stack's first block),
+    or a value computed from them whose positions the walk lost, reach the graph's output.
+    ``blocks`` maps each block call to ``fn(input node, span) -> span of its output`` (a block
+    hands positions on only from its stream argument).
     """
     spans: dict[fx.Node, object] = {start: span}
     queue = deque([start])
@@ -225,3 +235,99 @@ def reaches_output(start: fx.Node, span: Span, blocks: dict) -> bool:
                 spans[user] = new
                 queue.append(user)
     return False
+
+
+def _inputs_of(node: fx.Node) -> set[fx.Node]:
+    return {n for n in data_ancestors(node, set()) | {node} if n.op == "placeholder"}
+
+
+def _named(node: fx.Node) -> str:
+    """The model inputs a value is computed from, by argument name (a hint for the reader)."""
+    names = sorted(n.meta.get("tread_input_name", n.name) for n in _inputs_of(node))
+    return f"from input(s) {', '.join(names)}" if names else node.name
+
+
+def _per_token(node: object, info: StreamInfo) -> bool:
+    meta = tensor_meta(node)
+    if meta is None or len(meta.shape) <= info.token_dim:
+        return False
+    return meta.shape[info.token_dim] == info.num_tokens
+
+
+def _is_role_mask(node: object, info: StreamInfo) -> bool:
+    """A per-token value, not fed by the main input, computed by comparing data to a value."""
+    if not _per_token(node, info) or fed_by(node, info.primary):
+        return False
+    meta = node.meta["tread_meta"]
+    if any(s != 1 for s in meta.shape[info.token_dim + 1 :]):
+        return False  # a mask broadcast over the channels, not a per-token feature
+    ups = data_ancestors(node, set()) | {node}
+    return any(u.op in ("call_function", "call_method") and u.target in _COMPARE for u in ups)
+
+
+def _gated(node: fx.Node, info: StreamInfo) -> fx.Node | None:
+    """The role mask that gates ``node``'s values per token, if ``node`` is ``x * mask``."""
+    if node.op not in ("call_function", "call_method") or node.target not in _MULS:
+        return None
+    args = [a for a in node.args[:2] if isinstance(a, fx.Node)]
+    masks = [a for a in args if _is_role_mask(a, info)]
+    return masks[0] if masks and len(args) == 2 else None
+
+
+def _placed_by_data(node: fx.Node, info: StreamInfo) -> fx.Node | None:
+    """The index input of ``x.index_copy(dim, index, source)`` (or ``index_add``, ``scatter``)
+    when ``source`` holds the main input's tokens and ``index`` is computed from an input."""
+    name = _op_name(node)
+    if node.op not in ("call_function", "call_method") or name not in _INDEX_WRITES:
+        return None
+    args = list(node.args[1:]) + [node.kwargs.get(k) for k in ("dim", "index", "source", "src")]
+    sources = [a for a in args if fed_by(a, info.primary)]
+    indices = [
+        a
+        for a in args
+        if isinstance(a, fx.Node)
+        and not fed_by(a, info.primary)
+        and any(n.op == "placeholder" for n in data_ancestors(a, set()) | {a})
+    ]
+    return indices[0] if sources and indices else None
+
+
+def role_mask(info: StreamInfo) -> str | None:
+    """Why the stream's image positions are data-dependent, if they are (else ``None``).
+
+    Either the main input's tokens are written into the stream at positions an input gives
+    (``stream.index_copy(1, video_indices, video)``), or the stream is a sum of a part fed by
+    the main input and a part fed by another input only, each gated per token by a mask
+    computed from data (a padding mask on the image plus an ungated per-token table is not).
+    """
+    stream0 = info.blocks[0].stream_in
+    ups = [n for n in data_ancestors(stream0, set()) | {stream0} if n.op != "placeholder"]
+    for node in ups:
+        index = _placed_by_data(node, info)
+        if index is not None:
+            return (
+                f"the stream entering {info.blocks[0].path} receives the main input's tokens "
+                f"at positions given by the data ({node.target} with an index {_named(index)}), so "
+                "which positions hold the noisy input is not known from the graph, and a route "
+                "would select other tokens too"
+            )
+    for node in ups:
+        if node.op not in ("call_function", "call_method") or node.target not in _ADDS:
+            continue
+        parts = [a for a in node.args[:2] if isinstance(a, fx.Node)]
+        if len(parts) != 2 or not all(_per_token(p, info) for p in parts):
+            continue
+        mine = [p for p in parts if fed_by(p, info.primary)]
+        other = [p for p in parts if not fed_by(p, info.primary) and _inputs_of(p) - {info.primary}]
+        if len(mine) != 1 or len(other) != 1:
+            continue
+        gates = [g for n in data_ancestors(mine[0], set()) | {mine[0]} if (g := _gated(n, info))]
+        theirs = [g for n in data_ancestors(other[0], set()) | {other[0]} if (g := _gated(n, info))]
+        if gates and theirs:  # complementary roles; an ungated per-token table is not one
+            return (
+                f"the stream entering {info.blocks[0].path} adds, per position, the main input's "
+                f"tokens gated by a mask computed from data ({_named(gates[0])}) and per-token "
+                f"values {_named(other[0])}: which positions hold the noisy input is "
+                "decided by the data, not the graph, so a route would select other tokens too"
+            )
+    return None

@@ -12,7 +12,6 @@ Used by :mod:`tread_fx.passes.locate.stream`.
 
 Example:
     >>> import torch
-    >>> from tread_fx.passes.locate.stacks import candidate_stacks
     >>> m = torch.nn.Module()
     >>> m.blocks = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
     >>> list(candidate_stacks(m))
@@ -21,10 +20,8 @@ Example:
 
 from __future__ import annotations
 
-import inspect
 import math
 import sys
-from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -37,23 +34,25 @@ from tread_fx.errors import (
     TokenStreamError,
     shown,
 )
-from tread_fx.passes.locate.dataflow import data_ancestors
-from tread_fx.passes.locate.token_major import channels_last
+from tread_fx.passes.locate.dataflow import (
+    data_ancestors,
+    fed_by,
+    forward_path,
+    input_slots,
+    nodes_in,
+    tensor_meta,
+)
+from tread_fx.passes.locate.dims import channels_last
 from tread_fx.passes.trace.tracer import MODEL_PREFIX, TensorMeta, TracedCall
 
 __all__ = [
-    "shown",
-    "argument_name",
     "candidate_stacks",
     "resolve_block_lists",
     "block_leaf_paths",
     "main_input",
     "block_calls",
+    "carrying_lists",
     "choose_stack",
-    "ancestors",
-    "forward_path",
-    "input_slots",
-    "argument_items",
     "refuse_hierarchical_stages",
 ]
 
@@ -137,17 +136,9 @@ def block_leaf_paths(model: nn.Module, list_paths: Iterable[str]) -> set[str]:
 def _sub_block_paths(member: nn.Module, path: str) -> set[str]:
     paths = set()
     for sub, child in member.named_children():
-        if child is None:
-            continue
         nested = isinstance(child, nn.ModuleList)
         paths |= _sub_block_paths(child, f"{path}.{sub}") if nested else {f"{path}.{sub}"}
     return paths
-
-
-def ancestors(node: fx.Node, stop: set[fx.Node]) -> set[fx.Node]:
-    """Nodes whose values reach ``node`` (dtype/device/shape-only uses such as
-    ``mask.type_as(x)`` do not count: :mod:`tread_fx.passes.locate.dataflow`)."""
-    return data_ancestors(node, stop)
 
 
 def block_calls(traced: TracedCall, list_paths: list[str]) -> dict[str, list[fx.Node]]:
@@ -191,14 +182,14 @@ def _valid_sequence(model: nn.Module, path: str, nodes: list[fx.Node]) -> bool:
     called = [n.target[start:].split(".")[0] for n in nodes]  # member i (of a nested one too)
     if called != names:
         return False
-    return all(a in ancestors(b, {a}) for a, b in zip(nodes, nodes[1:]))
+    return all(a in data_ancestors(b, {a}) for a, b in zip(nodes, nodes[1:]))
 
 
 def _shape_distance(a: object, b: object) -> int | None:
     """0: same shape; 1: same rank, one dim differs (channels, a learned sigma); else None."""
-    if not (isinstance(a, TensorMeta) and isinstance(b, TensorMeta)) or len(a.shape) != len(
-        b.shape
-    ):
+    if not (isinstance(a, TensorMeta) and isinstance(b, TensorMeta)):
+        return None
+    if len(a.shape) != len(b.shape):
         return None
     differing = sum(x != y for x, y in zip(a.shape, b.shape))
     return differing if differing <= 1 else None
@@ -213,7 +204,7 @@ def main_input(graph: fx.Graph) -> fx.Node:
     """
     inputs = [n for n in graph.nodes if n.op == "placeholder"]
     output = next(n for n in graph.nodes if n.op == "output")
-    first = next((a for a in _flat_nodes(output.args)), None)
+    first = next(iter(nodes_in(output.args)), None)
     out_meta = first.meta.get("tread_meta") if first is not None else None
     ranked = [
         (d, i) for i, n in enumerate(inputs)
@@ -222,55 +213,13 @@ def main_input(graph: fx.Graph) -> fx.Node:
     return inputs[min(ranked)[1]] if ranked else inputs[0]
 
 
-def _flat_nodes(value: object) -> list[fx.Node]:
-    if isinstance(value, fx.Node):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [n for v in value for n in _flat_nodes(v)]
-    if isinstance(value, dict):
-        return [n for v in value.values() for n in _flat_nodes(v)]
-    return []
-
-
-def _fed_by(node: fx.Node, source: fx.Node) -> bool:
-    return node is source or source in ancestors(node, set())
-
-
-def argument_items(node: fx.Node) -> list[tuple[tuple, Any]]:
-    """``(("arg", i), value)`` and ``(("kwarg", name), value)`` for each argument of a call."""
-    items = [(("arg", i), a) for i, a in enumerate(node.args)]
-    return items + [(("kwarg", k), a) for k, a in node.kwargs.items()]
-
-
-def argument_name(block: Any, key: tuple) -> str:
-    """The parameter name of ``block.forward`` that a slot fills (``"arg{i}"`` if unknown).
-
-    Blocks called positionally (diffusers' gradient checkpointing passes everything by
-    position) are described by the same names as when called by keyword.
-    """
-    if key[0] == "kwarg":
-        return key[1]
-    try:
-        params = list(inspect.signature(block.forward).parameters.values())
-    except (TypeError, ValueError):
-        return f"arg{key[1]}"
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return positional[key[1]].name if key[1] < len(positional) else f"arg{key[1]}"
-
-
-def input_slots(node: fx.Node) -> dict[tuple, fx.Node]:
-    """Map each argument position of ``node`` that holds a node to that node: ``("arg", i)``
-    or ``("kwarg", name)``, then ``(..., j, ...)`` into nested tuples
-    (``image_rotary_emb=((cos, sin), None)``)."""
-    slots: dict[tuple, fx.Node] = {}
-    items = argument_items(node)
-    while items:
-        key, arg = items.pop(0)
-        if isinstance(arg, fx.Node):
-            slots[key] = arg
-        elif isinstance(arg, (tuple, list)):
-            items += [((*key, j), a) for j, a in enumerate(arg)]
-    return slots
+def _handed_slots(nodes: list[fx.Node]) -> tuple[dict[tuple, fx.Node], list[tuple]]:
+    """(the first block's input slots, those of them the second block receives computed by
+    the first): the values a list's blocks hand on to each other."""
+    first = input_slots(nodes[0])
+    return first, [
+        k for k, v in input_slots(nodes[1]).items() if k in first and fed_by(v, nodes[0])
+    ]
 
 
 def _stream_fed_by(nodes: list[fx.Node], primary: fx.Node) -> bool:
@@ -280,23 +229,33 @@ def _stream_fed_by(nodes: list[fx.Node], primary: fx.Node) -> bool:
     that reads the image shape), but what it hands from block to block is the text.
     """
     if len(nodes) < 2:
-        return _fed_by(nodes[0], primary)
-    first = input_slots(nodes[0])
-    handed = [k for k, v in input_slots(nodes[1]).items() if k in first and _fed_by(v, nodes[0])]
+        return fed_by(nodes[0], primary)
+    first, handed = _handed_slots(nodes)
     if not handed:
-        return _fed_by(nodes[0], primary)
-    return any(_fed_by(first[k], primary) for k in handed)
+        return fed_by(nodes[0], primary)
+    return any(fed_by(first[k], primary) for k in handed)
+
+
+def carrying_lists(
+    model: nn.Module, calls: dict[str, list[fx.Node]], primary: fx.Node
+) -> list[str]:
+    """The lists whose members are called once each, in order, and hand on a value fed by
+    ``primary``: the lists that carry its stream."""
+    return [
+        p
+        for p, nodes in calls.items()
+        if nodes and _valid_sequence(model, p, nodes) and _stream_fed_by(nodes, primary)
+    ]
 
 
 def _chains(
     model: nn.Module, calls: dict[str, list[fx.Node]], primary: fx.Node | None = None
 ) -> list[list[str]]:
-    valid = [p for p, nodes in calls.items() if nodes and _valid_sequence(model, p, nodes)]
     # a list whose blocks never see the model's main input (a text refiner, a perceiver over
     # reference embeddings) neither heads nor competes with the stack the noisy input flows
     # through; when no list sees it (an unusual argument order) all stay candidates
-    fed = [p for p in valid if primary is not None and _stream_fed_by(calls[p], primary)]
-    valid = fed or valid
+    fed = carrying_lists(model, calls, primary) if primary is not None else []
+    valid = fed or [p for p, nodes in calls.items() if nodes and _valid_sequence(model, p, nodes)]
     order = {n: i for i, n in enumerate(calls[valid[0]][0].graph.nodes)} if valid else {}
     valid.sort(key=lambda p: order[calls[p][0]])
     chains: list[list[str]] = []
@@ -304,7 +263,7 @@ def _chains(
         for chain in chains:
             last = calls[chain[-1]][-1]
             first = calls[path][0]
-            joined = order[first] > order[last] and last in ancestors(first, set())
+            joined = order[first] > order[last] and last in data_ancestors(first, set())
             if joined and _same_form(chain[-1], path, calls):
                 chain.append(path)
                 break
@@ -398,10 +357,8 @@ def _handed_stream(chain: list[str], calls: dict[str, list[fx.Node]]) -> TensorM
     nodes = [n for path in chain for n in calls[path]]
     if len(nodes) < 2:
         return None
-    first = input_slots(nodes[0])
-    slots = [k for k, v in input_slots(nodes[1]).items() if k in first and _fed_by(v, nodes[0])]
-    metas = [first[k].meta.get("tread_meta") for k in slots]
-    metas = [m for m in metas if isinstance(m, TensorMeta) and len(m.shape) >= 3]
+    first, slots = _handed_slots(nodes)
+    metas = [m for k in slots if (m := tensor_meta(first[k])) is not None and len(m.shape) >= 3]
     return metas[0] if len(metas) == 1 else None
 
 
@@ -422,9 +379,7 @@ def _describe(chain: list[str], calls: dict[str, list[fx.Node]]) -> str:
     """``path: 4 blocks, [8, 16, 32] (16 tokens)``: the stream its first block hands on (else
     the largest tensor entering that block)."""
     first = calls[chain[0]][0]
-    metas = [
-        m for a in first.all_input_nodes if isinstance(m := a.meta.get("tread_meta"), TensorMeta)
-    ]
+    metas = [m for a in first.all_input_nodes if (m := tensor_meta(a)) is not None]
     shapes = [tuple(m.shape) for m in metas if len(m.shape) >= 2]
     count = sum(len(calls[p]) for p in chain)
     if not shapes:
@@ -449,24 +404,6 @@ def _interleaving(chains: list[list[str]], calls: dict[str, list[fx.Node]]) -> s
     )
 
 
-def forward_path(source: fx.Node, target: fx.Node) -> list[fx.Node]:
-    """Nodes after ``source`` on the shortest user-path to ``target`` (empty if same)."""
-    parents: dict[fx.Node, fx.Node | None] = {source: None}
-    queue = deque([source])
-    while queue and target not in parents:
-        node = queue.popleft()
-        for user in node.users:
-            if user not in parents:
-                parents[user] = node
-                queue.append(user)
-    path = []
-    node = target if target in parents else source
-    while node is not source:
-        path.append(node)
-        node = parents[node]
-    return path[::-1]
-
-
 def choose_stack(
     model: nn.Module, calls: dict, primary: fx.Node | None, explicit: bool
 ) -> list[str]:
@@ -478,18 +415,11 @@ def refuse_hierarchical_stages(model: nn.Module, blocks: list[Any]) -> None:
     """Refuse a stack of hierarchical stages: members that hold block lists of their own and
     hand on a stream of another shape than they take (a windowed backbone's stages merging
     patches between them). The route belongs inside one stage; the error names its list.
-
-    Args:
-        model: The model.
-        blocks: The located ``BlockCall``s, their stream slots assigned.
-    """
+    ``blocks`` are the located ``BlockCall``s, their stream slots assigned."""
     members = [b for b in blocks if b.path.rpartition(".")[0] == b.list_path]  # not nested
     for block in members:
-        before = block.stream_in.meta.get("tread_meta") if block.stream_in is not None else None
-        after = block.stream_out.meta.get("tread_meta") if block.stream_out is not None else None
-        if not (isinstance(before, TensorMeta) and isinstance(after, TensorMeta)):
-            continue
-        if before.shape[:-1] == after.shape[:-1]:
+        before, after = tensor_meta(block.stream_in), tensor_meta(block.stream_out)
+        if before is None or after is None or before.shape[:-1] == after.shape[:-1]:
             continue
         inner = [
             f"{b.path}.{p}" for b in members for p in candidate_stacks(model.get_submodule(b.path))

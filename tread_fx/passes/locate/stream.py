@@ -1,60 +1,43 @@
 """Pass 2 — locate: find the block stack and the token stream that flows through it.
 
-The block stack is chosen by :mod:`tread_fx.passes.locate.stacks` (re-exported here). The token
-stream is found by data flow: the value block ``i`` hands to block ``i + 1`` that descends
-from the model's main input.
+The block stack is chosen by :mod:`tread_fx.passes.locate.stacks`. The token stream is found by
+data flow: the value block ``i`` hands to block ``i + 1`` that descends from the model's main
+input; its dims by :mod:`tread_fx.passes.locate.dims`.
 
 Example:
-    >>> import torch
-    >>> from tread_fx.passes.locate.stream import candidate_stacks
-    >>> m = torch.nn.Module()
-    >>> m.blocks = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
-    >>> list(candidate_stacks(m))
-    ['blocks']
+    >>> # used by tread_fx.passes.locate.choice: info = locate(traced, model, paths, False)
 """
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch.fx as fx
-import torch.utils._pytree as pytree
 from torch import nn
 
-from tread_fx.errors import TokenStreamError
-from tread_fx.passes.locate.joint import joint_parts
-from tread_fx.passes.locate.member_entry import handed_into_member
-from tread_fx.passes.locate.packed import check_one_packed_stream, is_packed, packed_layout
-from tread_fx.passes.locate.stacks import (
-    ancestors,
-    block_calls,
-    block_leaf_paths,
-    candidate_stacks,
-    choose_stack,
+from tread_fx.errors import TokenStreamError, shown
+from tread_fx.passes.locate.dataflow import (
+    data_ancestors,
+    fed_by,
     forward_path,
     input_slots,
+    output_slots,
+    tensor_meta,
+)
+from tread_fx.passes.locate.dims import joint_parts, stream_dims
+from tread_fx.passes.locate.member_entry import handed_into_member
+from tread_fx.passes.locate.stacks import (
+    block_calls,
+    choose_stack,
     main_input,
     refuse_hierarchical_stages,
-    resolve_block_lists,
-    shown,
 )
-from tread_fx.passes.locate.stream_lists import unpack_handed_containers
-from tread_fx.passes.locate.token_major import check_stream_rank
 from tread_fx.passes.trace.tracer import MODEL_PREFIX, TensorMeta, TracedCall
 
-__all__ = [
-    "BlockCall",
-    "StreamInfo",
-    "candidate_stacks",
-    "resolve_block_lists",
-    "block_leaf_paths",
-    "locate",
-    "main_input",
-    "input_slots",
-    "output_slots",
-]
+__all__ = ["BlockCall", "StreamInfo", "locate"]
 
 SlotKey = tuple  # ("arg", i) | ("kwarg", name), then (..., j, ...) into nested tuples
 
@@ -101,26 +84,12 @@ class StreamInfo:
     stream_after: fx.Node | None = None
     form_cuts: set[int] = field(default_factory=set)  # blocks a route split ends before
     folded: int = 1  # dim 0 holds batch_size * folded rows (frames or positions folded in)
-    suffix: int = (
-        0  # trailing tokens never routed (text behind the image: tread_fx/passes/locate/joint.py)
-    )
+    suffix: int = 0  # trailing tokens never routed (text behind the image: dims.joint_parts)
     choice: Any = None  # how the stream was chosen (tread_fx/passes/locate/choice.py StreamChoice)
 
     @property
     def depth(self) -> int:
         return len(self.blocks)
-
-
-def output_slots(node: fx.Node) -> dict[tuple, fx.Node]:
-    """Map ``("item", k)`` / ``("attr", name)`` to the users that unpack ``node``'s result."""
-    slots = {}
-    for user in node.users:
-        is_item = user.op == "call_function" and user.target is operator.getitem
-        if is_item and isinstance(user.args[1], (int, str)):  # not a tensor's x[:, :n] slice
-            slots[("item", user.args[1])] = user
-        elif user.op == "call_function" and user.target is getattr:
-            slots[("attr", user.args[1])] = user
-    return slots
 
 
 def locate(
@@ -148,16 +117,15 @@ def locate(
     calls = block_calls(traced, list_paths)
     primary = main_input(traced.gm.graph) if primary is None else primary
     chain = choose_stack(model, calls, None if explicit else primary, explicit)
-    unpack_handed_containers(traced.gm, [node for path in chain for node in calls[path]])
+    _unpack_handed_containers(traced.gm, [node for path in chain for node in calls[path]])
     while True:
         nodes = [(path, node) for path in chain for node in calls[path]]
         blocks = [
             BlockCall(i, node, node.target[len(MODEL_PREFIX) :], path, ())
             for i, (path, node) in enumerate(nodes)
         ]
-        block_nodes = {b.node for b in blocks}
         try:
-            _assign_stream_slots(blocks, primary, block_nodes)
+            _assign_stream_slots(blocks, primary, {b.node for b in blocks})
             break
         except _UnclearHandOff as err:
             if explicit:
@@ -167,24 +135,19 @@ def locate(
             chain = chain[: chain.index(err.list_path)]
     refuse_hierarchical_stages(model, blocks)
     carried = {p: _carried_slots([b for b in blocks if b.list_path == p]) for p in chain}
-    meta = blocks[0].stream_in.meta.get("tread_meta")
+    first = blocks[0]
+    meta = first.stream_in.meta.get("tread_meta")
     if not isinstance(meta, TensorMeta):
         raise TokenStreamError(
             f"no token sequence flows through {', '.join(map(shown, chain))}: the value entering "
-            f"block {blocks[0].path} is {meta!r}, not a tensor; pass blocks= naming a container "
+            f"block {first.path} is {meta!r}, not a tensor; pass blocks= naming a container "
             "whose blocks take token sequences."
         )
-    first = model.get_submodule(blocks[0].path)
-    listed = _list_batch(traced, primary)
-    if is_packed(meta.shape, blocks[0].node, blocks[0].stream_in, _batch_of(primary, listed)):
-        check_one_packed_stream(blocks[0].node, first, blocks[0].path, blocks[0].stream_in, primary)
-        batch_dim, token_dim, batch, folded = packed_layout(meta.shape)
-    else:
-        check_stream_rank(first, blocks[0].path, chain, meta.shape)
-        batch_dim, token_dim, batch, folded = _layout(meta, primary, listed)
+    module = model.get_submodule(first.path)
+    batch_dim, token_dim, batch, folded = stream_dims(traced, module, first, primary, chain)
     num_tokens = meta.shape[token_dim]
     prefix, suffix = joint_parts(
-        model, keep_prefix, blocks[0].stream_in, primary, token_dim, num_tokens
+        model, keep_prefix, first.stream_in, primary, token_dim, num_tokens
     )
     return StreamInfo(
         blocks,
@@ -201,6 +164,33 @@ def locate(
         folded=folded,
         suffix=suffix,
     )
+
+
+def _unpack_handed_containers(gm: fx.GraphModule, calls: list[fx.Node]) -> None:
+    """Pass each block's whole list/tuple result on to the next block as unpacked elements.
+
+    A multi-scale stack calls ``xs = block(xs)`` with ``xs`` a list of token streams: no
+    argument slot of the next block holds a stream. Each such hand-off is rewritten (in
+    place) into what a loop that unpacks (``fine, coarse = block([fine, coarse])``) traces
+    to: one ``getitem`` per element, passed on as a list (or tuple) of those nodes. The
+    stream slots are then ``("arg", i, j)`` and ``("item", j)``, and the stream is chosen
+    among the elements by data flow. The program computes the same values.
+    """
+    for before, after in zip(calls, calls[1:]):
+        meta = before.meta.get("tread_meta")
+        is_container = isinstance(meta, (list, tuple)) and meta
+        if not is_container or not all(isinstance(m, TensorMeta) for m in meta):
+            continue
+        if before not in after.args and before not in after.kwargs.values():
+            continue
+        with gm.graph.inserting_before(after):
+            getitem = gm.graph.call_function
+            items = [getitem(operator.getitem, (before, j)) for j in range(len(meta))]
+        for item, item_meta in zip(items, meta):
+            item.meta["tread_meta"] = item_meta
+        unpacked = type(meta)(items)
+        after.args = tuple(unpacked if a is before else a for a in after.args)
+        after.kwargs = {k: unpacked if v is before else v for k, v in after.kwargs.items()}
 
 
 def _stream_after_last(blocks: list[BlockCall]) -> fx.Node:
@@ -238,8 +228,15 @@ def _tensor_slots(node: fx.Node) -> dict[SlotKey, fx.Node]:
     return {
         k: n
         for k, n in input_slots(node).items()
-        if isinstance(n.meta.get("tread_meta"), TensorMeta) and len(n.meta["tread_meta"].shape) >= 2
+        if (meta := tensor_meta(n)) is not None and len(meta.shape) >= 2
     }
+
+
+def _handed(block: BlockCall, following: BlockCall, keys: list, block_nodes: set) -> list:
+    """The argument slots of ``keys`` that ``block`` hands on to ``following`` (its list's
+    next block receives there a value computed by it)."""
+    next_in = input_slots(following.node)
+    return [k for k in keys if k in next_in and fed_by(next_in[k], block.node, block_nodes)]
 
 
 def _first_stream_slot(
@@ -253,18 +250,16 @@ def _first_stream_slot(
         raise TokenStreamError(
             f"block {block.path} receives no tensor of rank >= 2; nothing to route."
         )
-    from_primary = [k for k, n in slots.items() if n is primary or primary in ancestors(n, set())]
+    from_primary = [k for k, n in slots.items() if fed_by(n, primary)]
     pool = from_primary or list(slots)
-    if following is not None and following.list_path == block.list_path:
-        next_in = input_slots(following.node)
-        is_handed = lambda k: (
-            k in next_in and block.node in ancestors(next_in[k], block_nodes) | {next_in[k]}
-        )
-        handed = [k for k in pool if is_handed(k)]
+    if following is not None:
+        handed = _handed(block, following, pool, block_nodes)
         if from_primary and not handed:
-            _refuse_latents(block, slots, from_primary, [k for k in slots if is_handed(k)])
+            _refuse_latents(
+                block, slots, from_primary, _handed(block, following, list(slots), block_nodes)
+            )
         pool = handed or pool
-    return max(pool, key=lambda k: _num_elements(slots[k]))
+    return max(pool, key=lambda k: math.prod(slots[k].meta["tread_meta"].shape))
 
 
 def _refuse_latents(block: BlockCall, slots: dict, from_input: list, handed: list) -> None:
@@ -290,15 +285,8 @@ def _slot_name(key: SlotKey) -> str:
     return f"argument {key[1]}" if key[0] == "arg" else f"{key[1]}="
 
 
-def _num_elements(node: fx.Node) -> int:
-    size = 1
-    for s in node.meta["tread_meta"].shape:
-        size *= s
-    return size
-
-
 def _depends_on(node: fx.Node, outputs: dict[tuple, fx.Node], block_nodes: set) -> list[tuple]:
-    reach = ancestors(node, block_nodes) | {node}
+    reach = data_ancestors(node, block_nodes) | {node}
     return [key for key, out in outputs.items() if out in reach]
 
 
@@ -306,7 +294,7 @@ def _out_slot(block: BlockCall, following: BlockCall | None, block_nodes: set) -
     if isinstance(block.node.meta.get("tread_meta"), TensorMeta):
         return None
     outs = output_slots(block.node)
-    if following is not None and following.list_path == block.list_path:
+    if following is not None:
         following_in = input_slots(following.node).get(block.in_slot)
         keys = _depends_on(following_in, outs, block_nodes) if following_in is not None else []
         if len(keys) == 1:
@@ -333,19 +321,20 @@ class _UnclearHandOff(TokenStreamError):
 def _assign_stream_slots(blocks: list[BlockCall], primary: fx.Node, block_nodes: set) -> None:
     for i, block in enumerate(blocks):
         prev = blocks[i - 1] if i else None
+        following = blocks[i + 1] if i + 1 < len(blocks) else None
+        if following is not None and following.list_path != block.list_path:
+            following = None  # only a block of the same list is handed the stream on
         if prev is None:
-            following = blocks[1] if len(blocks) > 1 else None
             block.in_slot = _first_stream_slot(block, primary, block_nodes, following)
         elif prev.list_path == block.list_path:
             block.in_slot = prev.in_slot
         else:
             slots = _tensor_slots(block.node)
-            keys = [
-                k for k, n in slots.items() if prev.stream_out in ancestors(n, block_nodes) | {n}
-            ]
+            keys = [k for k, n in slots.items() if fed_by(n, prev.stream_out, block_nodes)]
             keys = _same_form_as_first(keys, slots, blocks[0]) if len(keys) > 1 else keys
-            following = blocks[i + 1] if i + 1 < len(blocks) else None
-            keys = _handed_within(block, following, keys, block_nodes) if len(keys) > 1 else keys
+            if len(keys) > 1 and following is not None:
+                # a U-ViT's out blocks take (x, skip), both from the in blocks, and hand x on
+                keys = _handed(block, following, keys, block_nodes) or keys
             if len(keys) != 1:
                 raise _UnclearHandOff(
                     block.list_path,
@@ -354,7 +343,7 @@ def _assign_stream_slots(blocks: list[BlockCall], primary: fx.Node, block_nodes:
                     f"e.g. blocks={prev.list_path!r} to route only the blocks before it.",
                 )
             block.in_slot = keys[0]
-            _check_handed_on(block, blocks[i + 1] if i + 1 < len(blocks) else None, block_nodes)
+            _check_handed_on(block, following, block_nodes)
         slots = input_slots(block.node)
         if block.in_slot not in slots:
             raise TokenStreamError(
@@ -362,28 +351,12 @@ def _assign_stream_slots(blocks: list[BlockCall], primary: fx.Node, block_nodes:
                 "the blocks before it; route() needs blocks called the same way."
             )
         block.stream_in = handed_into_member(block, prev, slots[block.in_slot], block_nodes)
-        following = blocks[i + 1] if i + 1 < len(blocks) else None
-        last_of_list = following is None or following.list_path != block.list_path
         outs = output_slots(block.node)
-        if last_of_list and _returns_like(block, prev, outs):
+        if following is None and _returns_like(block, prev, outs):
             block.out_slot = prev.out_slot  # the last block is called like the ones before it
         else:  # (members of several kinds: attention returns a tuple, a feed-forward a tensor)
             block.out_slot = _out_slot(block, following, block_nodes)
         block.stream_out = block.node if block.out_slot is None else outs[block.out_slot]
-
-
-def _handed_within(
-    block: BlockCall, following: BlockCall | None, keys: list, block_nodes: set
-) -> list:
-    """Of several arguments fed by the previous list, the one the new list hands on from its
-    block to the next: a U-ViT's out blocks take ``(x, skip)``, both from the in blocks, and
-    hand ``x`` on among themselves."""
-    if following is None or following.list_path != block.list_path:
-        return keys
-    next_in = input_slots(following.node)
-    reach = lambda k: ancestors(next_in[k], block_nodes) | {next_in[k]}
-    handed = [k for k in keys if k in next_in and block.node in reach(k)]
-    return handed or keys
 
 
 def _returns_like(block: BlockCall, prev: BlockCall | None, outs: dict) -> bool:
@@ -416,10 +389,7 @@ def _same_form_as_first(keys: list, slots: dict, first: BlockCall) -> list:
 def _check_handed_on(block: BlockCall, following: BlockCall | None, block_nodes: set) -> None:
     """A later list continues the stack only if its blocks hand the stream on: CaiT's
     class-attention blocks take the same token stream each and hand on the class token."""
-    if following is None or following.list_path != block.list_path:
-        return
-    value = input_slots(following.node).get(block.in_slot)
-    if value is None or block.node not in ancestors(value, block_nodes) | {value}:
+    if following is not None and not _handed(block, following, [block.in_slot], block_nodes):
         raise _UnclearHandOff(
             block.list_path,
             f"the blocks of {block.list_path} do not hand the token stream on from one to the "
@@ -440,69 +410,3 @@ def _carried_slots(blocks: list[BlockCall]) -> dict[tuple, SlotKey]:
         if len(deps) == 1:
             carried[deps[0]] = key
     return carried
-
-
-def _list_batch(traced: TracedCall, primary: fx.Node) -> int | None:
-    """The length of the list of per-sample tensors that ``primary`` belongs to, if any.
-
-    A model called with ``[x_0, ..., x_{B-1}]`` as its main input has batch size ``B``, not
-    the first dim of one sample.
-    """
-    placeholders = [n for n in traced.gm.graph.nodes if n.op == "placeholder"]
-    if primary not in placeholders or len(placeholders) != len(traced.tensor_positions):
-        return None
-    leaf = traced.tensor_positions[placeholders.index(primary)]
-    count = traced.in_spec.num_leaves
-    args, kwargs = pytree.tree_unflatten(list(range(count)), traced.in_spec)
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, (list, tuple)) and leaf in value:
-            return len(value) if all(isinstance(v, int) for v in value) else None
-    return None
-
-
-def _batch_of(primary: fx.Node, listed: int | None) -> int | None:
-    """The batch size the main input tells: a list's length, or dim 0 of a tensor of rank 3
-    or more (``None`` for a [tokens, dim] input: packed tokens or per-sample vectors)."""
-    if listed is not None:
-        return listed
-    meta = primary.meta.get("tread_meta")
-    return meta.shape[0] if isinstance(meta, TensorMeta) and len(meta.shape) >= 3 else None
-
-
-def _layout(
-    meta: TensorMeta, primary: fx.Node, listed: int | None = None
-) -> tuple[int, int, int, int]:
-    """(batch dim, token dim, batch size, rows folded per sample) of the stream.
-
-    A stream whose dim 0 holds a multiple of the batch (``[B * F, N, C]``: frames or
-    positions folded into the batch) is routed per folded row with one selection shared by
-    all rows, so every folded sequence of every sample keeps the same tokens (blocks that
-    mix the folded sequences, temporal attention across frames, then see consistent ones).
-    """
-    pmeta = primary.meta.get("tread_meta")
-    batch = pmeta.shape[0] if isinstance(pmeta, TensorMeta) and pmeta.shape else meta.shape[0]
-    batch = listed if listed is not None else batch  # a list of per-sample tensors
-    rows, folded = meta.shape[0], 1
-    if rows == batch:
-        layout = 0, 1, batch
-    elif meta.shape[1] == batch:
-        layout = 1, 0, batch
-    elif rows > batch and rows % batch == 0:
-        layout, folded = (0, 1, rows), rows // batch
-    else:
-        raise TokenStreamError(
-            f"the token stream has shape {tuple(meta.shape)}, but the batch size {batch} (dim 0 "
-            "of the first input) is in neither of its first two dims nor folded into dim 0; "
-            "tread_fx needs [B, N, ...], [N, B, ...] or [B * F, N, ...] streams: pass blocks= "
-            "naming a stack whose blocks see the batch, or route a model that keeps it (a main "
-            "input given as a list of per-sample tensors has the list's length as batch size)."
-        )
-    if meta.shape[layout[1]] < 2:
-        raise TokenStreamError(
-            f"the token stream has shape {tuple(meta.shape)}: sequences of "
-            f"{meta.shape[layout[1]]} token (dim {layout[1]}"
-            + (f"; dim 0 folds {folded} sequences per sample into the batch" if folded > 1 else "")
-            + "), so routing would save nothing. Route a stack whose blocks see longer "
-            "sequences (pass blocks=), or drop the route."
-        )
-    return (*layout, folded)
