@@ -6,7 +6,7 @@ which slices the last ``seq_len`` positions (``freqs[:, -seq_len:]``, ``seq_len`
 the stream's shape), rearranges it with einops and rotates q and k with it. The layers are
 ``ModuleList([norm, attention-or-feed-forward, residual])`` members (the member's first call,
 the norm, stands for the block), so the table enters the routed region at the attention, a
-module call that is no block of the stack (``tread_fx/passes/plan/inner_uses.py``); the attention's
+module call that is no block of the stack (``tread_fx/passes/plan/region_uses.py``); the attention's
 ``default(context, x)`` helper asks ``callable(x)`` of a traced tensor
 (``tread_fx/passes/trace/compat.py``). The table's use decides: rotated with q/k along the token
 dim,

@@ -73,9 +73,8 @@ _MOVES = {"getitem", "cat", "concat", "concatenate", "stack", "functional_setite
 def _moves(node: fx.Node) -> bool:
     """An op that moves tokens (slices, concatenates, writes into a buffer), not a module or
     a computation (a side branch over other tokens, e.g. perceiver latents, is no form)."""
-    if node.op not in ("call_function", "call_method"):
-        return False
-    return getattr(node.target, "__name__", node.target) in _MOVES
+    name = getattr(node.target, "__name__", node.target)
+    return node.op in ("call_function", "call_method") and name in _MOVES
 
 
 def changes_form(g: nx.DiGraph, info: StreamInfo, index: int) -> bool:

@@ -1,27 +1,22 @@
 """Token tables built inside routed blocks: trace those blocks through and cut the tables.
 
 A routed block is a single call in the traced graph, so whatever it computes from its own
-token count stays hidden: a relative-position bias indexed by an ``[N, N]`` buffer, a bias
-computed from the patch grid on every call, a RoPE table built from ``arange(N)``. On the
-kept tokens such a block fails with a shape error, or (worse) builds positions ``0..k-1``.
+token count stays hidden (a relative-position bias indexed by an ``[N, N]`` buffer, a RoPE
+table built from ``arange(N)``): on the kept tokens such a block fails with a shape error,
+or (worse) builds positions ``0..k-1``.
 
-This pass traces each routed block through on the real inputs its class received while
-tracing the model (:mod:`tread_fx.passes.trace.block`), and splits the block's graph into
-*data* (everything computed from its inputs) and *tables* (tensors computed without them:
-from buffers, parameters, constants and sizes). A table that meets the data is classified
-by how the block uses it, with the same rules as the block's inputs
-(:func:`tread_fx.passes.plan.uses.built_table_uses`). A ``mask`` (added to the attention scores)
-or a ``table`` (elementwise with the stream on a token dim) with token-sized dims (``N`` or
-``N - prefix`` rows) is a token table: a mask is cut on every token dim (its last one only
-beside another, as in ``[N, N]``), a table on its token dims but the last (which meets the
-stream's features). A ``context`` or ``none`` one (a buffer multiplied with the features,
-whatever its size) is not. A table built from buffers, factories or sizes that meets the
-tokens only where no rule reads its dims (``unknown``, or it indexes the tokens: ``ids``)
-is refused. If a block has a token table, it is inlined into the routed graph: its tables
-are built for all ``N`` tokens (sizes they read are the traced constants, so positions stay
-the original ones), and each token table is cut to the kept tokens where it meets the data.
-The data part reads its sizes from the routed values, so its reshapes follow the kept
-count. Tables have no batch dim, so the route's selection is shared across the batch.
+Each routed block is traced through on the real inputs its class received while tracing the
+model (:mod:`tread_fx.passes.trace.block`) and split into *data* (computed from its inputs)
+and *tables* (computed without them: from buffers, parameters, constants and sizes). A table
+that meets the data is classified by use (:func:`tread_fx.passes.plan.uses.built_table_uses`):
+a token-sized ``mask`` is cut on every token dim (its last one only beside another, as in
+``[N, N]``), a ``table`` on its token dims but the last (which meets the features); a
+``context`` or ``none`` one is not a token table; one built from buffers, factories or sizes
+whose use says nothing of its dims (``unknown``, ``ids``) is refused. A block with a token
+table is inlined into the routed graph: its tables are built for all ``N`` tokens (the sizes
+they read are the traced constants, so positions stay the original ones) and cut to the kept
+tokens where they meet the data, whose reshapes follow the kept count. Tables have no batch
+dim, so the route's selection is shared across the batch.
 
 Example:
     >>> # driven by tread_fx.pipeline.build: find_token_tables, then inline_token_tables.
@@ -40,8 +35,9 @@ from torch.utils import _pytree as pytree
 from tread_fx.adapters.token_tables import take_rows
 from tread_fx.adapters.values import StreamLayout, TensorMeta
 from tread_fx.errors import SideInputError
-from tread_fx.passes.locate.stream import BlockCall, input_slots
-from tread_fx.passes.plan.uses import Use, built_table_uses
+from tread_fx.passes.locate.dataflow import input_slots
+from tread_fx.passes.locate.stream import BlockCall
+from tread_fx.passes.plan.uses import Use, _forward, built_table_uses
 from tread_fx.passes.trace.block import (
     example_of,
     is_module_leaf,
@@ -52,12 +48,7 @@ from tread_fx.passes.trace.block import (
 )
 from tread_fx.passes.trace.tracer import ARG_MODULE_PREFIX, MODEL_PREFIX, TracedCall, fetch_attr
 
-__all__ = [
-    "InlineBlock",
-    "find_token_tables",
-    "inline_token_tables",
-    "pack",
-]
+__all__ = ["InlineBlock", "find_token_tables", "inline_token_tables", "pack"]
 
 _CONST_PREFIX = "tread_inline_const_"
 _CUT = (Use.MASK, Use.TABLE)  # the uses that make a token-sized table a token table
@@ -96,34 +87,23 @@ def pack(value: Any) -> Any:
 
 def _data_nodes(graph: fx.Graph) -> set[fx.Node]:
     """Nodes computed from the block's inputs; sizes read from them are not data."""
-    data: set[fx.Node] = set()
-    for node in graph.nodes:
-        if (
-            node.op == "placeholder"
-            or is_tensorish(node.meta.get("tread_meta"))
-            and any(a in data for a in node.all_input_nodes)
-        ):
-            data.add(node)
-    return data
+    return set().union(*(_forward(p) for p in graph.find_nodes(op="placeholder")))
 
 
 def _built_from_tables(node: fx.Node, data: set[fx.Node], root: nn.Module) -> bool:
-    """Whether a table depends on more than parameters: a buffer, a factory or a size."""
-    seen, todo = set(), [node]
+    """Whether a table depends on more than parameters: a buffer, a factory with constant
+    sizes (``arange``, ``ones``) or a size read from the data (``arange(N)``)."""
+    seen, todo = {node}, [node]
     while todo:
         current = todo.pop()
-        if current in seen:
-            continue
-        seen.add(current)
-        if current in data:
-            return True  # a size read from the data (arange(N))
         inputs = current.all_input_nodes
-        if current.op == "get_attr":
-            if not isinstance(fetch_attr(root, current.target), nn.Parameter):
-                return True
-        elif not inputs:
-            return True  # a factory with constant sizes (arange, ones)
-        todo.extend(inputs)
+        parameter = current.op == "get_attr" and isinstance(
+            fetch_attr(root, current.target), nn.Parameter
+        )
+        if current in data or not (inputs or parameter):
+            return True
+        todo.extend(a for a in inputs if a not in seen)
+        seen.update(inputs)
     return False
 
 

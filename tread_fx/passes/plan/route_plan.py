@@ -14,19 +14,18 @@ Example:
 from __future__ import annotations
 
 import math
-import operator
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 import networkx as nx
-import torch
 import torch.fx as fx
 
 from tread_fx.adapters import SideValue, StreamLayout, adapters
 from tread_fx.adapters.values import NO_BATCH_DIM
 from tread_fx.errors import InvalidRateError, SelectionError, SideInputError, TokenStreamError
-from tread_fx.passes.locate.dataflow import data_ancestors
+from tread_fx.passes.locate.dataflow import argument_name, input_slots, output_slots
+from tread_fx.passes.locate.dims import check_packed_strategy, segment_boundaries
 from tread_fx.passes.locate.layout import (
     check_no_token_tables_inside,
     check_one_stream_length,
@@ -38,22 +37,15 @@ from tread_fx.passes.locate.layout import (
     stream_prefix,
 )
 from tread_fx.passes.locate.member_entry import member_prologue, stream_entering
-from tread_fx.passes.locate.packed import check_packed_strategy, segment_boundaries
-from tread_fx.passes.locate.stacks import argument_items, argument_name
-from tread_fx.passes.locate.stream import BlockCall, StreamInfo, input_slots, output_slots
-from tread_fx.passes.plan.inner_uses import inner_call_uses
-from tread_fx.passes.plan.region_uses import batch_broadcast, side_use
-from tread_fx.passes.plan.token_counts import count_arguments
-from tread_fx.passes.plan.uses import how_used, reached_ops, route_uses, shape_warning
+from tread_fx.passes.locate.stream import BlockCall, StreamInfo
+from tread_fx.passes.plan.region_uses import in_stream_layout, route_uses, side_value
+from tread_fx.passes.plan.token_counts import count_arguments, sizes_tokens
+from tread_fx.passes.plan.uses import how_used, shape_warning
 from tread_fx.passes.trace.tracer import TensorMeta
 from tread_fx.routes import Route
 from tread_fx.runtime.selection import Strategy, kept_units
 
 __all__ = ["Crossing", "RoutePlan", "plan_route", "graph_to_networkx"]
-
-_ELEMENTWISE = {operator.add, operator.iadd, operator.mul, operator.imul, operator.sub,
-                operator.isub, torch.add, torch.mul, torch.sub, "add", "mul", "sub", "add_",
-                "mul_", "sub_"}  # fmt: skip
 
 
 @dataclass
@@ -120,20 +112,9 @@ def graph_to_networkx(graph: fx.Graph) -> nx.DiGraph:
     return g
 
 
-def _is_token_aligned(meta: Any, layout: StreamLayout) -> bool:
-    if not isinstance(meta, TensorMeta) or len(meta.shape) <= max(
-        layout.batch_dim, layout.token_dim
-    ):
-        return False
-    shape = meta.shape
-    batched = layout.batch_dim == NO_BATCH_DIM or shape[layout.batch_dim] == layout.batch_size
-    return batched and shape[layout.token_dim] == layout.num_tokens
-
-
 def _looks_token_aligned(side: SideValue) -> bool:
     """Any dim (but a batch dim of size B) has N, N - prefix or the routable count of
     entries, e.g. a [N, d] table."""
-    metas = side.meta if isinstance(side.meta, (tuple, list)) else (side.meta,)
     layout = side.stream
     sizes = layout.token_counts
     return any(
@@ -143,7 +124,7 @@ def _looks_token_aligned(side: SideValue) -> bool:
             for d, s in enumerate(m.shape)
             if not (d == layout.batch_dim and s == layout.batch_size)
         )
-        for m in metas
+        for m in _items(side.meta)
     )
 
 
@@ -171,63 +152,6 @@ def _region(g: nx.DiGraph, info: StreamInfo, route: Route) -> tuple[set, fx.Node
             f"{route.start}; route ({route.start}, {route.end}) does not span a chain of blocks."
         )
     return region, stream_start, stream_end
-
-
-def _dict_keys_holding(block: Any, user: fx.Node, node: fx.Node) -> set[str]:
-    """``argument.key`` for each dict argument through which a block receives ``node``:
-    ``attention_kwargs.attention_mask``, ``rotary_emb.query`` (hints for messages and user
-    adapters; no built-in rule reads them)."""
-    return {
-        f"{argument_name(block, slot)}.{k}"
-        for slot, a in argument_items(user)
-        if isinstance(a, dict)
-        for k, v in a.items()
-        if v is node
-    }
-
-
-def _side_value(g, node, users, region, info, layout, block_nodes, ctx) -> SideValue:
-    names, classes = set(), set()
-    uses, stream_start = ctx
-    receiving = {u: uses.get(u) for u in users if u in block_nodes}
-    use = side_use(node, receiving, region, (stream_start, block_nodes), layout)
-    for user in users:
-        if user in block_nodes:
-            for key, arg in input_slots(user).items():
-                if arg is node:
-                    names.add(argument_name(block_nodes[user], key))
-            names |= _dict_keys_holding(block_nodes[user], user, node)
-            classes.add(type(block_nodes[user]))
-    combined = any(
-        u.op in ("call_function", "call_method")
-        and u.target in _ELEMENTWISE
-        and any(a in region for a in u.all_input_nodes)
-        for u in users
-    )
-    meta = node.meta.get("tread_meta")
-    use = use.value if use is not None else None
-    return SideValue(
-        node=node,
-        meta=meta,
-        arg_names=frozenset(names),
-        block_classes=frozenset(classes),
-        stream=layout,
-        token_aligned=_is_token_aligned(meta, layout),
-        from_stream=node is info.primary or nx.has_path(g, info.primary, node),
-        combined_with_stream=combined,
-        from_inputs=_from_inputs(node),
-        use=use,
-        reaches=frozenset(reached_ops(node, receiving)),
-        batch_broadcast=batch_broadcast(node, region, stream_start, layout),
-        primary=info.primary,
-    )
-
-
-def _from_inputs(node: fx.Node) -> bool:
-    """Whether a model input's values (not only its shape, dtype or device) reach ``node``."""
-    return node.op == "placeholder" or any(
-        a.op == "placeholder" for a in data_ancestors(node, set())
-    )
 
 
 def _classify_entering(side: SideValue, users, carried_slot, family, strict: bool) -> Crossing:
@@ -268,14 +192,13 @@ def _classify_entering(side: SideValue, users, carried_slot, family, strict: boo
 
 def _entering(g, plan_args, region, info, layout, strict) -> list[Crossing]:
     start, stream_start, uses = plan_args
-    block_nodes = {b.node: _module_of(b) for b in info.blocks}
-    inner = {n: n.graph.owning_module.get_submodule(n.target) for n in uses if n not in block_nodes}
-    block_nodes |= inner  # module calls inside the routed blocks receive values too
+    # the block calls, and the module calls inside the routed blocks (they receive values too)
+    block_nodes = {n: _module_of(n) for n in (*(b.node for b in info.blocks), *uses)}
     start_slots = {n: k for k, n in input_slots(start.node).items()}
     family = family_slots(g, info, start)
     carried = set(info.carried.get(start.list_path, {}).values())
     crossings, seen = [], {}
-    for node in sorted(region, key=_topo_index):
+    for node in _in_order(region):
         for arg in node.all_input_nodes:
             if arg not in region:
                 seen.setdefault(arg, []).append(node)
@@ -284,7 +207,7 @@ def _entering(g, plan_args, region, info, layout, strict) -> list[Crossing]:
             crossings.append(Crossing(value, "gather", "token stream", users))
             continue
         slot = start_slots.get(value)
-        side = _side_value(g, value, users, region, info, layout, block_nodes, (uses, stream_start))
+        side = side_value(g, value, users, region, (info, layout, stream_start, block_nodes, uses))
         carried_slot = slot if slot in carried and start.node in users else None
         crossings.append(_classify_entering(side, users, carried_slot, family, strict))
     return crossings
@@ -297,24 +220,20 @@ def _leaving(region, info, route, stream, entering, layout, non_token=frozenset(
     gathered = {c.node for c in entering if c.action != "pass"}
     counterparts = _carried_counterparts(info, route, start_slots)
     crossings = []
-    for node in sorted(region, key=_topo_index):
+    for node in _in_order(region):
         outside = [u for u in node.users if u not in region and (u.users or u.op == "output")]
         if not outside:  # dead unpacking (RWKV's unused `attentions` item) is not a use
             continue
         meta = node.meta.get("tread_meta")
         if node is stream_end:
-            crossings.append(Crossing(node, "scatter", "token stream", outside, stream_start))
+            decided = ("scatter", "token stream", stream_start)
         elif node in counterparts and counterparts[node] in gathered:
-            crossings.append(
-                Crossing(node, "scatter", "carried token stream", outside, counterparts[node])
-            )
+            decided = ("scatter", "carried token stream", counterparts[node])
         elif node in non_token:
-            crossings.append(Crossing(node, "pass", "carried non-token stream", outside))
-        elif _is_token_aligned(meta, layout) and meta == stream_start.meta.get("tread_meta"):
-            crossings.append(
-                Crossing(node, "scatter", "stream-shaped value", outside, stream_start)
-            )
-        elif _is_token_aligned(meta, layout) or _holds_token_aligned(meta, layout):
+            decided = ("pass", "carried non-token stream", None)
+        elif in_stream_layout(meta, layout) and meta == stream_start.meta.get("tread_meta"):
+            decided = ("scatter", "stream-shaped value", stream_start)
+        elif any(in_stream_layout(m, layout) for m in _items(meta)):
             users = ", ".join(u.name for u in outside)
             raise SideInputError(
                 f"value '{node.name}' with shape {_shape_text(meta)} is computed "
@@ -324,7 +243,9 @@ def _leaving(region, info, route, stream, entering, layout, non_token=frozenset(
                 "produced or after it is consumed), or pass blocks= to exclude that code."
             )
         else:
-            crossings.append(Crossing(node, "pass", "not token-aligned", outside))
+            decided = ("pass", "not token-aligned", None)
+        action, reason, counterpart = decided
+        crossings.append(Crossing(node, action, reason, outside, counterpart))
     return crossings
 
 
@@ -335,8 +256,9 @@ def _shape_text(meta: Any) -> Any:
     return getattr(meta, "shape", meta)
 
 
-def _holds_token_aligned(meta: Any, layout: StreamLayout) -> bool:
-    return isinstance(meta, (tuple, list)) and any(_is_token_aligned(m, layout) for m in meta)
+def _items(meta: Any) -> tuple:
+    """A value's metadata, or its items' for a tuple of values."""
+    return tuple(meta) if isinstance(meta, (tuple, list)) else (meta,)
 
 
 def _carried_counterparts(info: StreamInfo, route: Route, start_slots) -> dict[fx.Node, fx.Node]:
@@ -358,17 +280,14 @@ def _carried_counterparts(info: StreamInfo, route: Route, start_slots) -> dict[f
     return pairs
 
 
-def _module_of(block: BlockCall) -> Any:
-    gm = block.node.graph.owning_module
-    return gm.get_submodule(block.node.target) if gm is not None else None
+def _module_of(node: fx.Node) -> Any:
+    gm = node.graph.owning_module
+    return gm.get_submodule(node.target) if gm is not None else None
 
 
-def _topo_index(node: fx.Node) -> int:
-    index = node.graph.__dict__.setdefault("_tread_index", {})
-    if node not in index:
-        index.clear()
-        index.update({n: i for i, n in enumerate(node.graph.nodes)})
-    return index[node]
+def _in_order(region: set[fx.Node]) -> list[fx.Node]:
+    """The region's nodes in graph order."""
+    return [n for n in next(iter(region)).graph.nodes if n in region]
 
 
 def _height_arguments(info, route, layout: StreamLayout, strategy: Strategy, uses) -> list:
@@ -377,7 +296,7 @@ def _height_arguments(info, route, layout: StreamLayout, strategy: Strategy, use
     heights = [
         (node, slot)
         for node, slot in grid_arguments(info, route, layout.grid)
-        if uses.get(node) is None or slot in uses[node].counts
+        if sizes_tokens(uses, node, slot)
     ]
     if heights and not strategy.needs_grid:
         node, _ = heights[0]
@@ -420,31 +339,76 @@ def plan_route(
     Returns:
         The :class:`RoutePlan`.
     """
-    gm.graph.__dict__.pop("_tread_index", None)
     g = graph_to_networkx(gm.graph)
     if follows is not None:
         return _plan_piece(gm, g, info, route, follows, change, strict)
     shift = crossing_prefix(g, info, route)
-    region, stream_start, stream_end = _region(g, info, route)
-    meta = stream_start.meta["tread_meta"]
-    layout = StreamLayout(
-        info.batch_dim,
-        info.token_dim,
-        _batch_size(info, meta.shape),
-        meta.shape[info.token_dim],
-        stream_prefix(g, info, info.blocks[route.start]),
-        grid if meta.shape[info.token_dim] == info.num_tokens else None,
-        info.suffix,  # a longer later stream keeps the image part (and its suffix) last
-        folded=info.folded,
+    common, uses = _boundary(gm, g, info, route, strict, grid)
+    layout, entering = common["layout"], common["entering"]
+    for crossing in common["leaving"]:
+        if crossing.node is common["stream_end"]:
+            crossing.prefix_shift = shift
+    units, keep = _units(route, strategy, layout, grid)
+    heights = _height_arguments(info, route, layout, strategy, uses)
+    segments = segment_boundaries(entering) if layout.batch_size == 1 else None
+    if layout.batch_dim == NO_BATCH_DIM or segments is not None:
+        check_packed_strategy(strategy.name, strategy.needs_grid)
+    per_unit = layout.routable // units
+    kept_tokens = layout.prefix + keep * per_unit + layout.suffix
+    passed = {c.node for c in entering if c.action == "pass"}
+    name = lambda block, slot: argument_name(_module_of(block.node), slot)  # noqa: E731
+    counts = count_arguments(info, route, layout, kept_tokens, passed, name, set(heights), uses)
+    shared = any(c.shares_selection for c in entering)
+    return RoutePlan(
+        **common,
+        index=index,
+        units=units,
+        keep_units=keep,
+        kept_tokens=kept_tokens,
+        shared_selection=shared,
+        height_args=heights,
+        count_args=counts,
+        segments=segments,
     )
+
+
+def _boundary(gm, g, info: StreamInfo, route: Route, strict: bool, grid=None, piece=False):
+    """The :class:`RoutePlan` fields of what crosses the route's region, and the uses of what
+    enters it; a later piece of a split route has no never-routed prefix, suffix or grid."""
+    region, stream_start, stream_end = _region(g, info, route)
     start = info.blocks[route.start]
-    uses = _uses(gm, info, route, region, layout)
+    shape = stream_start.meta["tread_meta"].shape
+    tokens = shape[info.token_dim]
+    # a packed stream has no batch dim (batch size 1)
+    batch = info.batch_size if info.batch_dim == NO_BATCH_DIM else shape[info.batch_dim]
+    if piece:
+        prefix, grid, suffix = 0, None, 0
+    else:  # a longer later stream keeps the image part (and its suffix) last
+        prefix, suffix = stream_prefix(g, info, start), info.suffix
+        grid = grid if tokens == info.num_tokens else None
+    layout = StreamLayout(
+        info.batch_dim, info.token_dim, batch, tokens, prefix, grid, suffix, folded=info.folded
+    )
+    uses = route_uses(gm, info, route, region, layout)
     entering = _entering(g, (start, stream_start, uses), region, info, layout, strict)
     non_token = non_token_carried(g, info, route)
     leaving = _leaving(region, info, route, (stream_start, stream_end), entering, layout, non_token)
-    for crossing in leaving:
-        if crossing.node is stream_end:
-            crossing.prefix_shift = shift
+    common = {
+        "route": route,
+        "start_block": start,
+        "end_block": info.blocks[route.end] if route.end < info.depth else None,
+        "stream_start": stream_start,
+        "stream_end": stream_end,
+        "region": region,
+        "entering": entering,
+        "leaving": leaving,
+        "layout": layout,
+    }
+    return common, uses
+
+
+def _units(route: Route, strategy: Strategy, layout: StreamLayout, grid) -> tuple[int, int]:
+    """(selectable units, kept units) of the route; refuses a rate that keeps none or all."""
     units = strategy.units(layout.routable, grid)
     keep = kept_units(units, route.rate)
     if keep < 1 or units < 1:
@@ -468,50 +432,7 @@ def plan_route(
             "around): the routed blocks would see no fewer tokens and the route would save "
             f"nothing. Raise the rate to at least {1 / units:.3g}, or drop the route."
         )
-    heights = _height_arguments(info, route, layout, strategy, uses)
-    segments = segment_boundaries(entering) if layout.batch_size == 1 else None
-    if layout.batch_dim == NO_BATCH_DIM or segments is not None:
-        check_packed_strategy(strategy.name, strategy.needs_grid)
-    per_unit = layout.routable // units
-    kept_tokens = layout.prefix + keep * per_unit + layout.suffix
-    passed = {c.node for c in entering if c.action == "pass"}
-    name = lambda block, slot: argument_name(_module_of(block), slot)  # noqa: E731
-    counts = count_arguments(
-        info, route, layout.prefix, layout.suffix, kept_tokens, passed, name, set(heights), uses
-    )
-    end_block = info.blocks[route.end] if route.end < info.depth else None
-    return RoutePlan(
-        route,
-        index,
-        start,
-        end_block,
-        stream_start,
-        stream_end,
-        region,
-        entering,
-        leaving,
-        layout,
-        units,
-        keep,
-        kept_tokens,
-        any(c.shares_selection for c in entering),
-        heights,
-        count_args=counts,
-        segments=segments,
-    )
-
-
-def _uses(gm, info: StreamInfo, route: Route, region: set, layout: StreamLayout) -> dict:
-    """Uses of the values entering the route: by its blocks, and by the other module calls
-    inside them (the attention of a ``[norm, attention, residual]`` member)."""
-    uses = route_uses(gm, info.blocks[route.start : route.end], layout, info.token_dim)
-    blocks = {b.node for b in info.blocks}
-    return uses | inner_call_uses(gm, region, blocks, layout, info.token_dim)
-
-
-def _batch_size(info: StreamInfo, shape: tuple) -> int:
-    """The stream's batch size (1 for a packed stream, which has no batch dim)."""
-    return info.batch_size if info.batch_dim == NO_BATCH_DIM else shape[info.batch_dim]
+    return units, keep
 
 
 def _plan_piece(gm, g, info, route: Route, follows: RoutePlan, change, strict) -> RoutePlan:
@@ -519,27 +440,13 @@ def _plan_piece(gm, g, info, route: Route, follows: RoutePlan, change, strict) -
     places of the first piece's kept tokens and at every other token (never routed)."""
     check_one_stream_length(info, route)
     check_no_token_tables_inside(gm, info, route)
-    region, stream_start, stream_end = _region(g, info, route)
-    meta = stream_start.meta["tread_meta"]
-    shape = meta.shape
-    layout = StreamLayout(
-        info.batch_dim,
-        info.token_dim,
-        _batch_size(info, shape),
-        shape[info.token_dim],
-        0,
-        None,
-        folded=info.folded,
-    )
-    start = info.blocks[route.start]
-    uses = _uses(gm, info, route, region, layout)
-    entering = _entering(g, (start, stream_start, uses), region, info, layout, strict)
-    non_token = non_token_carried(g, info, route)
-    leaving = _leaving(region, info, route, (stream_start, stream_end), entering, layout, non_token)
-    end_block = info.blocks[route.end] if route.end < info.depth else None
-    kept = follows.kept_tokens + change.others.shape[1]
+    common, _ = _boundary(gm, g, info, route, strict, piece=True)
     return RoutePlan(
-        route, follows.index, start, end_block, stream_start, stream_end, region, entering,
-        leaving, layout, follows.units, follows.keep_units, kept, follows.shared_selection,
+        **common,
+        index=follows.index,
+        units=follows.units,
+        keep_units=follows.keep_units,
+        kept_tokens=follows.kept_tokens + change.others.shape[1],
+        shared_selection=follows.shared_selection,
         change=change,
-    )  # fmt: skip
+    )

@@ -22,12 +22,10 @@ the uses it meets decide what it is (first match in this order):
 - ``none``: none of these (per-sample, global, unused): passed.
 
 An int argument is a count only if it sizes, slices or splits a token dim of a tensor
-computed from the stream (``view``/``reshape``/``unflatten`` of its token dim,
-``x[:, -n:]``, ``split``, ``narrow``); any other int (a head dim equal to the token count
-by coincidence) is never rewritten (:mod:`tread_fx.passes.plan.count_slots`). A block that cannot
-be traced through has no uses (``None``). Module calls inside a routed block that are no block
+computed from the stream (:mod:`tread_fx.passes.plan.token_counts`). A block that cannot be
+traced through has no uses (``None``). Module calls inside a routed block that are no block
 of the stack (the attention of a ``[norm, attention, residual]`` member) are decided the same
-way (:func:`call_uses`, :mod:`tread_fx.passes.plan.inner_uses`), and so are the tables a block
+way (:func:`call_uses`, :mod:`tread_fx.passes.plan.region_uses`), and so are the tables a block
 builds itself (:func:`built_table_uses`, :mod:`tread_fx.passes.plan.inline_tables`).
 
 Names play no part here (nor anywhere a side value is decided); the plan shows them as hints.
@@ -39,26 +37,23 @@ Example:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
 import torch.fx as fx
 from torch import nn
 
-from tread_fx.adapters.values import SideValue, TensorMeta
-from tread_fx.passes.locate.stream import BlockCall, input_slots
-from tread_fx.passes.plan.count_slots import count_slots, tagged_example
+from tread_fx.adapters.values import SideValue
+from tread_fx.passes.plan.token_counts import _name, _shape, count_slots, tagged_example
 from tread_fx.passes.trace.block import example_of, is_tensorish, trace_through
 
 __all__ = [
     "Use",
     "BlockUses",
-    "block_uses",
     "built_table_uses",
     "call_uses",
-    "route_uses",
-    "reached_ops",
-    "value_uses",
+    "strongest",
     "how_used",
     "shape_warning",
 ]
@@ -91,29 +86,14 @@ _INDEX = {"embedding", "index_select", "take_along_dim", "gather"}
 _CAT = {"cat", "concat", "concatenate", "stack"}
 
 
-def _name(node: fx.Node) -> str:
-    return "module" if node.op == "call_module" else _op_name(node)
-
-
 def _op_name(node: fx.Node) -> str:
     """The op's name, a leaf module's path for messages."""
-    target = node.target
-    if node.op == "call_module":
-        return str(target).removeprefix("model.")
-    return target if isinstance(target, str) else getattr(target, "__name__", str(target))
+    return str(node.target).removeprefix("model.") if node.op == "call_module" else _name(node)
 
 
-def _meta(value: Any) -> Any:
-    return value.meta.get("tread_meta") if isinstance(value, fx.Node) else None
-
-
-def _shape(value: Any) -> tuple[int, ...] | None:
-    meta = _meta(value)
-    return meta.shape if isinstance(meta, TensorMeta) else None
-
-
+@dataclass
 class BlockUses:
-    """The uses found in one traced-through block (see :func:`block_uses`).
+    """The uses found in one traced-through block or module call (see :func:`call_uses`).
 
     Attributes:
         tensors: ``(node, path)`` of each tensor input of the block call -> its use.
@@ -122,10 +102,9 @@ class BlockUses:
             refusals: what an unclassified value reaches).
     """
 
-    def __init__(self, tensors: dict[tuple, Use], counts: set[tuple], ops: dict) -> None:
-        self.tensors = tensors
-        self.counts = counts
-        self.ops = ops
+    tensors: dict[tuple, Use]
+    counts: set[tuple]
+    ops: dict[tuple, frozenset[str]]
 
 
 def _forward(start: fx.Node, within: set[fx.Node] | None = None) -> set[fx.Node]:
@@ -166,12 +145,18 @@ def _aligned(mine, theirs, tokens: set[int], skip: Any = None) -> bool:
     return any(a == b and a in tokens and d != skip for d, a, b in pairs)
 
 
+def _sides(node: fx.Node, reach: set[fx.Node], stream: set[fx.Node]) -> tuple[list, list]:
+    """The inputs of ``node`` computed from the value (``reach``) and not the stream, and
+    those computed from the stream and not the value."""
+    inputs = node.all_input_nodes
+    mine = [a for a in inputs if a in reach and a not in stream]
+    return mine, [a for a in inputs if a in stream and a not in reach]
+
+
 def _tensor_use(node: fx.Node, reach: set[fx.Node], stream: set[fx.Node], ctx) -> Use | None:
     """The use ``node`` (reached by the value, ``reach``) makes of it, if any."""
     name, tokens, root = _name(node), ctx[0], ctx[1]
-    inputs = node.all_input_nodes
-    mine = [a for a in inputs if a in reach and a not in stream]
-    theirs = [a for a in inputs if a in stream and a not in reach]
+    mine, theirs = _sides(node, reach, stream)
     if name == "module":
         return _module_use(root.get_submodule(node.target), node, reach, theirs)
     if name == _SDPA:
@@ -184,7 +169,7 @@ def _tensor_use(node: fx.Node, reach: set[fx.Node], stream: set[fx.Node], ctx) -
         return Use.MASK if cond in reach and theirs else None
     if name in _INDEX or name == "getitem":
         table = node.args[1] if name == "embedding" else node.args[0]
-        index = [a for a in inputs if a is not table]
+        index = [a for a in node.all_input_nodes if a is not table]
         return Use.IDS if table not in reach and any(a in reach for a in index) else None
     if name in _MATMUL and mine and theirs:
         added = name == "baddbmm" and node.args[0] in mine  # baddbmm(bias, q, k^T)
@@ -219,10 +204,7 @@ def _module_use(module: nn.Module, node: fx.Node, reach: set, theirs: list) -> U
 def _classify_tensor(start: fx.Node, stream: set[fx.Node], ctx) -> Use:
     reach = _forward(start)
     found = {u for n in reach if (u := _tensor_use(n, reach, stream, ctx)) is not None}
-    for use in _ORDER:
-        if use in found:
-            return use
-    return Use.NONE
+    return strongest(found) or Use.NONE
 
 
 def _joined_lengths(graph: fx.Graph, stream: set[fx.Node], tokens: set[int]) -> set[int]:
@@ -312,7 +294,7 @@ def call_uses(
         input carries the stream.
 
     Example:
-        >>> # see block_uses and tread_fx.passes.plan.inner_uses
+        >>> # see tread_fx.passes.plan.region_uses.route_uses
     """
     by_class = gm.graph.__dict__.setdefault("_tread_uses", {})
     kept = example_of(gm, node)
@@ -331,80 +313,17 @@ def call_uses(
     return BlockUses(dict(zip(leaves, uses)), counts, dict(zip(leaves, ops)))
 
 
-def block_uses(
-    gm: fx.GraphModule, blocks: list[BlockCall], tokens: set[int], token_dim: int
-) -> dict[fx.Node, BlockUses | None]:
-    """Trace each block class through once on its example inputs and classify the inputs.
-
-    Args:
-        gm: The model's traced graph (block calls still single nodes with example inputs).
-        blocks: The routed blocks.
-        tokens: Token counts of the routed stream (N, N - prefix, the routable count).
-        token_dim: The stream's token dim (the block's own stream length counts too).
-
-    Returns:
-        Per block call node, its :class:`BlockUses`, or ``None`` when the block cannot be
-        traced through (on the first call of its class with this call's signature).
+def strongest(uses: set[Use | None]) -> Use | None:
+    """The first of ``uses`` in the order mask, ids, table, context, unknown, none.
 
     Example:
-        >>> # see tests/test_side_uses.py
+        >>> strongest({Use.CONTEXT, Use.TABLE})
+        <Use.TABLE: 'table'>
     """
-    return {
-        block.node: call_uses(gm, block.node, {_stream_of(block)}, tokens, token_dim)
-        for block in blocks
-    }
-
-
-def _stream_of(block: BlockCall) -> fx.Node:
-    return input_slots(block.node)[block.in_slot]
-
-
-def reached_ops(node: fx.Node, found: dict[fx.Node, BlockUses | None]) -> set[str]:
-    """Names of the block ops that read ``node`` first (for refusal messages).
-
-    Example:
-        >>> reached_ops(None, {})
-        set()
-    """
-    return {
-        op
-        for uses in found.values()
-        if uses is not None
-        for (n, _), ops in uses.ops.items()
-        if n is node
-        for op in ops
-    }
-
-
-def value_uses(node: fx.Node, found: dict[fx.Node, BlockUses | None]) -> Use | None:
-    """How the routed blocks use ``node`` (any of its tensors): the strongest use, or
-    ``None`` when a block receiving it could not be traced through.
-
-    Example:
-        >>> value_uses(None, {}) is None
-        True
-    """
-    uses = set()
-    for uses_of_block in found.values():
-        if uses_of_block is None:
-            continue
-        uses |= {u for (n, _), u in uses_of_block.tensors.items() if n is node}
-    if any(u is None for u in found.values()):
-        uses.discard(Use.NONE)  # a block that could not be traced through may use it
     for use in (*_ORDER, Use.NONE):
         if use in uses:
             return use
     return None
-
-
-def route_uses(gm: fx.GraphModule, blocks: list[BlockCall], layout: Any, token_dim: int) -> dict:
-    """:func:`block_uses` for a route's blocks, with the stream layout's token counts.
-
-    Example:
-        >>> # driven by tread_fx.passes.plan.route_plan.plan_route
-    """
-    tokens = layout.token_counts
-    return block_uses(gm, blocks, tokens, token_dim)
 
 
 def shape_warning(side: SideValue, rule: str) -> str:

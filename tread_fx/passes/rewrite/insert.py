@@ -53,9 +53,7 @@ class Reinsert:
 
 
 def _mark(node: fx.Node, meta: Any, role: str, route: int) -> fx.Node:
-    node.meta["tread_meta"] = meta
-    node.meta["tread_role"] = role
-    node.meta["tread_route"] = route
+    node.meta.update(tread_meta=meta, tread_role=role, tread_route=route)
     return node
 
 
@@ -78,7 +76,7 @@ def _gathered_meta(meta: Any, crossing: Crossing, plan: RoutePlan) -> Any:
     if crossing.action == "gather" or "dims" not in options:
         return _with_tokens(meta, plan.layout.token_dim, plan.kept_tokens)
     rows = plan.kept_tokens - options["skip"] + options["lead"] + options["trail"]
-    if _settled(options, plan).get("batch") is not None and options.get("broadcast") is not None:
+    if options.get("broadcast") is not None and not plan.shared_selection:  # per sample
         meta = _with_tokens(meta, options["broadcast"], plan.layout.batch_size)
     for dim in options["dims"]:
         meta = _with_tokens(meta, dim, rows)
@@ -103,8 +101,7 @@ def _settled(options: dict, plan: RoutePlan) -> dict:
 
 def _gather(graph: fx.Graph, crossing: Crossing, idx: fx.Node, plan: RoutePlan) -> None:
     layout = plan.layout
-    first_user = min(crossing.users, key=lambda n: _position(graph, n))
-    with graph.inserting_before(first_user):
+    with graph.inserting_before(_first(graph, crossing.users)):
         if crossing.action == "gather":
             new = graph.call_function(gather_tokens, (crossing.node, idx, layout.token_dim))
         else:
@@ -126,7 +123,7 @@ def _scatter(
 ) -> None:
     token_dim = plan.layout.token_dim
     with graph.inserting_after(crossing.node):
-        if reinsert.mode == "blend" and crossing.reason == "token stream":
+        if reinsert.mode == "blend" and crossing.node is plan.stream_end:
             args = (crossing.counterpart, crossing.node, idx, embedded)
             weights = (reinsert.base_weight, reinsert.embedded_weight, token_dim)
             new = graph.call_function(blend_tokens, args + weights)
@@ -147,14 +144,12 @@ def _selection_anchor(graph: fx.Graph, plan: RoutePlan) -> fx.Node:
     its member that runs before that call on the gathered stream (a long skip concatenated
     and projected: ``tread_fx/passes/locate/member_entry.py``)."""
     users = [u for c in plan.entering if c.node is plan.stream_start for u in c.users]
-    return min([plan.start_block.node, *users], key=lambda n: _position(graph, n))
+    return _first(graph, {plan.start_block.node, *users})
 
 
-def _position(graph: fx.Graph, node: fx.Node) -> int:
-    for i, n in enumerate(graph.nodes):
-        if n is node:
-            return i
-    raise ValueError(node)
+def _first(graph: fx.Graph, nodes: Any) -> fx.Node:
+    """The first of ``nodes`` in graph order."""
+    return next(n for n in graph.nodes if n in nodes)
 
 
 def rewrite_route(
