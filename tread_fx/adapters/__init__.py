@@ -1,7 +1,7 @@
 """Side-input adapters: the rules that make values entering a routed region fit the kept tokens.
 
-- :mod:`~tread_fx.adapters.values`: what a rule sees (:class:`SideValue`, :class:`StreamLayout`).
-- :mod:`~tread_fx.adapters.registry`: :class:`Adapter` and the registry (user rules first).
+- :mod:`~tread_fx.adapters.values`: what a rule sees (:class:`SideValue`, :class:`StreamLayout`),
+  :class:`Adapter` and the registry (user rules first).
 - :mod:`~tread_fx.adapters.rules`: the built-in rules, one table.
 - :mod:`~tread_fx.adapters.token_tables`: row maps and the graph functions that cut token
   tables (RoPE tables, masks, position ids) to the kept tokens.
@@ -12,9 +12,16 @@ Example:
     'per-token-by-shape'
 """
 
-from tread_fx.adapters.registry import Adapter, adapters, register_adapter, unregister_adapter
 from tread_fx.adapters.rules import BUILTIN_ADAPTERS
-from tread_fx.adapters.values import SideValue, StreamLayout, TensorMeta
+from tread_fx.adapters.values import (
+    Adapter,
+    SideValue,
+    StreamLayout,
+    TensorMeta,
+    adapters,
+    register_adapter,
+    unregister_adapter,
+)
 
 __all__ = [
     "Adapter",

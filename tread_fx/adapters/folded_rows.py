@@ -10,19 +10,11 @@ rows of the kept positions: it is viewed as ``[B, N, m, ...]`` (sample-major, th
 then ``m`` rows per token: ``m = 1`` for one row per position, ``m = F`` for one per
 position and frame), the kept token ids of each sample are gathered on the token dim, and
 the result folds back to ``[B * k * m, ...]`` — the row order the kept stream gets from
-``reshape(B, F, k, C).transpose(1, 2)``. Only values computed from a model input are
-matched: a constant table whose row count happens to divide by ``B * N`` is not folded.
-
-A route over the temporal stack is the mirror image: its stream ``[B * N, F, C]`` routes
-frames, and the spatial blocks' per-frame values ``[B * F, ...]`` fold the batch with *its*
-tokens (the frames), which this rule matches too. Values received under a conditioning name
-are passed by an earlier rule, though: Latte's per-frame text (``encoder_hidden_states``
-``[B * F, T, C]``) is, so a route over its temporal stack fails on its first call.
-
-When the stream itself folds as many sequences per sample as it has tokens
-(``F == N``), ``[B * N, ...]`` has the stream's row count and cannot be told from a
-per-row value: such a value that the routed blocks do not receive is refused (strict mode)
-rather than guessed.
+``reshape(B, F, k, C).transpose(1, 2)``. A route over the temporal stack is the mirror
+image: its stream ``[B * N, F, C]`` routes frames, and the spatial blocks' per-frame values
+``[B * F, ...]`` fold the batch with *its* tokens (the frames); but Latte's per-frame text
+(``[B * F, T, C]``) is attention context, passed by an earlier rule, so a route over its
+temporal stack fails on its first call.
 
 Example:
     >>> import torch
@@ -39,7 +31,7 @@ from typing import Any
 
 import torch
 
-from tread_fx.adapters.token_tables import tensor_metas
+from tread_fx.adapters.token_tables import map_tensors, tensor_metas
 from tread_fx.adapters.values import SideValue
 from tread_fx.runtime.ops import gather_tokens
 
@@ -54,27 +46,22 @@ def _rows(side: SideValue) -> int | None:
     return metas[0].shape[0]
 
 
-def _ambiguous(side: SideValue, rows: int) -> bool:
-    """The stream's own batch rows equal samples x tokens: per row or per token?"""
-    return rows == side.stream.batch_size
-
-
 def rows_per_token(side: SideValue) -> int | None:
     """``m`` when ``side``'s dim 0 folds the samples, the stream's tokens and ``m`` rows per
     token, else ``None``: ``[B * N, ...]`` (``m = 1``) or, for a stream folding ``F``
     sequences per sample, ``[B * N * F, ...]`` (one row per token and frame, ``m = F``).
 
     Only values computed from a model input count (a constant table, a buffer or a table
-    built from shapes alone cannot hold the batch in its rows, whatever its row count
-    divides by). Values aligned with the stream and values whose dim 0 is the stream's own
-    batch rows (the ambiguous ``F == N`` case) are never matched.
+    built from shapes alone cannot hold the batch in its rows). Values aligned with the
+    stream and values whose dim 0 is the stream's own batch rows (``F == N``: per row or per
+    token? See :func:`why_not_folded`) are never matched.
     """
     layout = side.stream
     rows = _rows(side)
     fold = layout.samples * layout.num_tokens
     if rows is None or not side.from_inputs or side.token_aligned or layout.num_tokens < 2:
         return None
-    if rows not in (fold, fold * layout.folded) or _ambiguous(side, rows):
+    if rows not in (fold, fold * layout.folded) or rows == layout.batch_size:  # ambiguous
         return None
     return rows // fold
 
@@ -83,11 +70,10 @@ def why_not_folded(side: SideValue) -> str | None:
     """Why a ``[B * N, ...]`` value that the routed blocks do not receive is not gathered."""
     layout = side.stream
     rows = _rows(side)
-    if rows is None or side.arg_names or layout.folded < 2 or side.token_aligned:
+    if rows is None or side.arg_names or side.token_aligned or not side.from_inputs:
         return None
-    if not side.from_inputs:
-        return None
-    if rows != layout.samples * layout.num_tokens or not _ambiguous(side, rows):
+    # ambiguous: samples x tokens is also the stream's own batch rows
+    if layout.folded < 2 or not (rows == layout.samples * layout.num_tokens == layout.batch_size):
         return None
     return (
         f"its dim 0 ({rows}) is both the stream's batch rows ({layout.samples} samples x "
@@ -95,14 +81,6 @@ def why_not_folded(side: SideValue) -> str | None:
         f"{layout.num_tokens}), so it may be per row (pass) or per token (gather); give the "
         "model a different number of frames than tokens per frame, or register an adapter"
     )
-
-
-def _gather_one(value: Any, per_sample: torch.Tensor, samples: int, num_tokens: int) -> Any:
-    if not isinstance(value, torch.Tensor):
-        return value
-    rest = value.shape[1:]
-    folded = value.reshape(samples, num_tokens, -1, *rest)  # [B, N, m, ...]
-    return gather_tokens(folded, per_sample, 1).reshape(-1, *rest)
 
 
 def gather_folded_rows(
@@ -127,6 +105,9 @@ def gather_folded_rows(
     if idx.shape[-1] == num_tokens:
         return value
     per_sample = idx.reshape(samples, -1, idx.shape[-1])[:, 0]
-    if isinstance(value, (tuple, list)):
-        return type(value)(_gather_one(v, per_sample, samples, num_tokens) for v in value)
-    return _gather_one(value, per_sample, samples, num_tokens)
+
+    def one(x: torch.Tensor) -> torch.Tensor:
+        folded = x.reshape(samples, num_tokens, -1, *x.shape[1:])  # [B, N, m, ...]
+        return gather_tokens(folded, per_sample, 1).reshape(-1, *x.shape[1:])
+
+    return map_tensors(value, one)

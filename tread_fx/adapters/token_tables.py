@@ -1,23 +1,14 @@
 """Token tables: side values with one row per token, and how to cut them to the kept tokens.
 
-RoPE tables and attention masks enter the blocks beside the token stream. Their token rows
-must follow the stream's selection. Two layouts exist:
-
-- *per-sample* tables carry the batch dim (``[B, N, d]`` cos/sin, ``[B, N]`` key-padding
-  masks, ``[B, 1, N, N]`` attention masks): their rows are gathered per sample with the
-  stream's kept ids, so every sample keeps its own subset.
-- *batch-shared* tables have no batch dim (or a broadcast dim of size 1): ``[N, d]`` RoPE
-  tables, Flux's ``[T + N, d]`` text-then-image table, ``[N, N]`` masks. A consumer written
-  for such a table broadcasts it over the batch in ways tread_fx cannot see
-  (``cos[None, :, None, :]``), so it cannot be handed a per-sample table. The selection of a
-  route that such a table enters is therefore shared across the batch (one fresh random
-  subset per step, the same for every sample), and the table's rows are indexed with it:
-  the table keeps its shape except for the row count.
-
-A :class:`RowMap` says which dims hold token rows and how table rows relate to stream
-tokens: ``lead`` rows in front that are not stream tokens (Flux's text rows, always kept),
-``skip`` leading stream tokens that have no row (timm EVA's tables leave out cls/register
-tokens), and ``trail`` rows after the token rows (always kept).
+RoPE tables and attention masks enter the blocks beside the token stream; their token rows
+must follow the stream's selection. *Per-sample* tables carry the batch dim (``[B, N, d]``
+cos/sin, ``[B, N]`` key-padding masks, ``[B, 1, N, N]`` attention masks): their rows are
+gathered per sample with the stream's kept ids. *Batch-shared* tables have no batch dim
+(or a broadcast dim of size 1: ``[N, d]``, Flux's ``[T + N, d]`` text-then-image table,
+``[N, N]`` masks) and their consumer broadcasts them over the batch in ways tread_fx cannot
+see (``cos[None, :, None, :]``): the route's selection is then shared across the batch
+(one fresh random subset per step) and the table's rows are indexed with it, keeping its
+shape except for the row count.
 
 Example:
     >>> import torch
@@ -33,6 +24,7 @@ from __future__ import annotations
 
 import operator
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +32,7 @@ import torch
 import torch.fx as fx
 
 from tread_fx.adapters.values import SideValue, TensorMeta
+from tread_fx.runtime.selection import with_prefix, with_suffix
 
 __all__ = [
     "RowMap",
@@ -50,6 +43,7 @@ __all__ = [
     "share_across_batch",
     "tensor_metas",
     "batch_dim_of",
+    "map_tensors",
 ]
 
 _CAT = (torch.cat, torch.concat, torch.concatenate)
@@ -63,8 +57,10 @@ class RowMap:
     Attributes:
         dims: Dims of the table that hold token rows (one for RoPE tables, two for a
             query x key mask).
-        lead: Rows before the token rows that are not stream tokens (always kept).
-        skip: Leading stream tokens that have no row (prefix tokens left out of the table).
+        lead: Rows before the token rows that are not stream tokens (Flux's text rows;
+            always kept).
+        skip: Leading stream tokens that have no row (timm EVA's tables leave out the
+            cls/register tokens).
         trail: Rows after the token rows (always kept).
     """
 
@@ -101,15 +97,6 @@ def batch_dim_of(meta: TensorMeta, side: SideValue) -> int | None:
     return None
 
 
-def _row_sizes(side: SideValue) -> dict[int, int]:
-    """Table row counts that map directly to stream tokens, with the ``skip`` they imply."""
-    n, prefix = side.stream.num_tokens, side.stream.prefix
-    sizes = {n: 0}
-    if prefix:
-        sizes.setdefault(n - prefix, prefix)
-    return sizes
-
-
 def find_rows(
     side: SideValue, *, batch: int | None, features_last: bool, all_dims: bool
 ) -> RowMap | None:
@@ -131,7 +118,8 @@ def find_rows(
         return None
     shape = metas[0].shape
     dims = [d for d in range(len(shape) - int(features_last)) if d != batch]
-    sizes = _row_sizes(side)
+    n, prefix = side.stream.num_tokens, side.stream.prefix
+    sizes = {n - prefix: prefix, n: 0}  # row counts that map to stream tokens: their skip
     direct = [d for d in dims if shape[d] in sizes]
     if direct and (all_dims or len(direct) == 1):
         if len({shape[d] for d in direct}) != 1:
@@ -155,20 +143,22 @@ def _rows_with_extra(side: SideValue, shape: tuple, dims: list[int]) -> RowMap |
     """
     n = side.stream.num_tokens
     for dim in dims:
-        rows = shape[dim]
-        if rows <= n:
+        if shape[dim] <= n:
             continue
-        parts = _cat_parts(side, rows, n) or _sum_parts(side, rows, n)
+        parts = _split_parts(side, shape[dim], n)
         if parts is not None:
             lead, trail = parts
             return RowMap((dim,), lead=lead, trail=trail)
     return None
 
 
-def _cat_parts(side: SideValue, rows: int, n: int) -> tuple[int, int] | None:
-    """Search the value's ancestors for a cat of ``rows`` rows with one part of ``n`` rows."""
-    split = lambda c: c.target in _CAT and _split_of(c, rows, n, side.primary)  # noqa: E731
-    return _first_split(side.node, split)
+def _split_parts(side: SideValue, rows: int, n: int) -> tuple[int, int] | None:
+    """(lead, trail) by the first ancestor cat of ``rows`` rows with one part of ``n`` rows,
+    else by the first traced sum of lengths ``rows`` with one of ``n``."""
+    primary = side.primary
+    cat = lambda c: c.target in _CAT and _split_of_cat(c, rows, n, primary)  # noqa: E731
+    add = lambda c: c.target is operator.add and _split_of_sum(c, rows, n, primary)  # noqa: E731
+    return _first_split(side.node, cat) or _first_split(side.node, add)
 
 
 def _first_split(node: fx.Node, split) -> tuple[int, int] | None:
@@ -186,7 +176,8 @@ def _first_split(node: fx.Node, split) -> tuple[int, int] | None:
     return None
 
 
-def _split_of(cat: fx.Node, rows: int, n: int, primary: Any) -> tuple[int, int] | None:
+def _split_of_cat(cat: fx.Node, rows: int, n: int, primary: Any) -> tuple[int, int] | None:
+    """(lead, trail) of a cat of ``rows`` rows around its one part of ``n`` rows."""
     parts = cat.args[0] if cat.args else cat.kwargs.get("tensors", ())
     dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
     out = cat.meta.get("tread_meta")
@@ -196,8 +187,19 @@ def _split_of(cat: fx.Node, rows: int, n: int, primary: Any) -> tuple[int, int] 
     if out.shape[dim] != rows:
         return None
     sizes = [_size(p, dim) for p in parts]
-    if None in sizes or n not in sizes:
+    return None if None in sizes else _around(parts, sizes, n, primary)
+
+
+def _split_of_sum(add: fx.Node, rows: int, n: int, primary: Any) -> tuple[int, int] | None:
+    """(lead, trail) of a traced ``a + b == rows`` of lengths around the one of ``n``."""
+    values = [a.meta.get("tread_meta") if isinstance(a, fx.Node) else a for a in add.args[:2]]
+    if len(values) != 2 or not all(type(v) is int for v in values) or sum(values) != rows:
         return None
+    return _around(add.args, values, n, primary)
+
+
+def _around(parts: Any, sizes: list[int], n: int, primary: Any) -> tuple[int, int] | None:
+    """The sizes before and after the one part of ``n`` rows (several: :func:`_tie`)."""
     candidates = [i for i, size in enumerate(sizes) if size == n]
     if len(candidates) > 1:  # T == N
         candidates = _tie(parts, candidates, n, primary)
@@ -205,25 +207,6 @@ def _split_of(cat: fx.Node, rows: int, n: int, primary: Any) -> tuple[int, int] 
         return None
     at = candidates[0]
     return sum(sizes[:at]), sum(sizes[at + 1 :])
-
-
-def _sum_parts(side: SideValue, rows: int, n: int) -> tuple[int, int] | None:
-    """Search the value's ancestors for a traced ``a + b == rows`` of lengths, one of ``n``."""
-    split = lambda c: c.target is operator.add and _split_of_sum(c, rows, n, side.primary)  # noqa: E731
-    return _first_split(side.node, split)
-
-
-def _split_of_sum(add: fx.Node, rows: int, n: int, primary: Any) -> tuple[int, int] | None:
-    values = [a.meta.get("tread_meta") if isinstance(a, fx.Node) else a for a in add.args[:2]]
-    if len(values) != 2 or not all(type(v) is int for v in values) or sum(values) != rows:
-        return None
-    first, second = values
-    candidates = [i for i, v in enumerate(values) if v == n]
-    if len(candidates) > 1:  # N == T
-        candidates = _tie(add.args, candidates, n, primary)
-    if len(candidates) != 1:
-        return None
-    return (0, second) if candidates[0] == 0 else (first, 0)
 
 
 def _tie(parts: Any, candidates: list[int], n: int, primary: Any) -> list[int]:
@@ -281,15 +264,8 @@ def _size(part: Any, dim: int) -> int | None:
 
 def _row_ids(idx: torch.Tensor, rows: int, lead: int, skip: int, trail: int) -> torch.Tensor:
     """Table rows [B, r] kept for the kept stream tokens ``idx`` [B, k]."""
-    ids = idx[:, skip:] - skip + lead
-    pieces = []
-    if lead:
-        pieces.append(torch.arange(lead, device=idx.device).expand(idx.shape[0], lead))
-    pieces.append(ids)
-    if trail:
-        tail = torch.arange(rows - trail, rows, device=idx.device)
-        pieces.append(tail.expand(idx.shape[0], trail))
-    return torch.cat(pieces, dim=1) if len(pieces) > 1 else ids
+    ids = with_prefix(idx[:, skip:] - skip, lead)
+    return with_suffix(ids, rows - trail, trail) if trail else ids
 
 
 def _take_per_sample(x: torch.Tensor, ids: torch.Tensor, batch: int, dim: int) -> torch.Tensor:
@@ -301,9 +277,13 @@ def _take_per_sample(x: torch.Tensor, ids: torch.Tensor, batch: int, dim: int) -
     return x.gather(dim, ordered.reshape(view).expand(target))
 
 
-def _take_one(x: Any, idx: torch.Tensor, dims, lead, skip, trail, batch, broadcast=None) -> Any:
-    if not isinstance(x, torch.Tensor):
-        return x
+def map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """``fn`` of a tensor, or of each tensor of a tuple/list; anything else is kept."""
+    one = lambda x: fn(x) if isinstance(x, torch.Tensor) else x  # noqa: E731
+    return type(value)(map(one, value)) if isinstance(value, (tuple, list)) else one(value)
+
+
+def _take_one(x: torch.Tensor, idx: torch.Tensor, dims, lead, skip, trail, batch, broadcast):
     if broadcast is not None and batch is not None:  # [1, N, d] -> [B, N, d], then per sample
         x = x.expand(*x.shape[:broadcast], idx.shape[0], *x.shape[broadcast + 1 :])
     for dim in dims:
@@ -330,10 +310,7 @@ def take_rows(
     Args:
         value: A tensor, or a tuple/list of tensors (e.g. ``(cos, sin)``).
         idx: The route's kept token ids.
-        dims: Dims holding token rows.
-        lead: Rows before the token rows (kept).
-        skip: Leading stream tokens without a row.
-        trail: Rows after the token rows (kept).
+        dims, lead, skip, trail: Where the token rows are (see :class:`RowMap`).
         batch: The table's batch dim for a per-sample gather; ``None`` for a batch-shared
             table, indexed with the first sample's ids (the selection is shared).
         broadcast: A dim of size 1 the value is broadcast along over the batch: with
@@ -343,11 +320,9 @@ def take_rows(
     Returns:
         The value with only the kept rows, same structure and rank.
     """
-    if isinstance(value, (tuple, list)):
-        return type(value)(
-            _take_one(v, idx, dims, lead, skip, trail, batch, broadcast) for v in value
-        )
-    return _take_one(value, idx, dims, lead, skip, trail, batch, broadcast)
+    return map_tensors(
+        value, lambda x: _take_one(x, idx, dims, lead, skip, trail, batch, broadcast)
+    )
 
 
 def per_sample_rope_table(
@@ -359,17 +334,13 @@ def per_sample_rope_table(
     the layout timm's own patch dropout hands its EVA-family blocks.
     """
 
-    def one(x: Any) -> Any:
-        if not isinstance(x, torch.Tensor):
-            return x
+    def one(x: torch.Tensor) -> torch.Tensor:
         table = x if x.dim() == 3 else x.unsqueeze(0)
         batched = table.unsqueeze(0).expand(idx.shape[0], *table.shape)
         ids = _row_ids(idx, x.shape[-2], lead, skip, trail)
         return _take_per_sample(batched, ids, 0, 2)
 
-    if isinstance(value, (tuple, list)):
-        return type(value)(one(v) for v in value)
-    return one(value)
+    return map_tensors(value, one)
 
 
 def share_across_batch(idx: torch.Tensor) -> torch.Tensor:

@@ -1,24 +1,33 @@
-"""The values adapters see: the stream layout, a side value entering a route, tensor metadata.
+"""What adapters see and are: tensor metadata, the stream layout, side values, the registry.
 
 The trace pass records a :class:`TensorMeta` per graph value; the plan pass describes each
-value entering a routed region as a :class:`SideValue` and asks the adapter registry about it.
-
-Example:
-    >>> import torch
-    >>> from tread_fx.adapters.values import TensorMeta
-    >>> TensorMeta((2, 16, 32), torch.float32, torch.device("cpu")).shape
-    (2, 16, 32)
+value entering a routed region as a :class:`SideValue`. The token stream and values that
+are clearly versions of it are gathered automatically; everything else is asked of the
+adapter registry, in order: the first :class:`Adapter` whose ``matches`` accepts the value
+decides. User adapters, consulted first, may key on what the block receives (the argument
+name, the block class, the shape), never on the model's name; the built-in rules,
+:data:`tread_fx.adapters.rules.BUILTIN_ADAPTERS`, decide by the value's use and shape.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.fx as fx
 
-__all__ = ["TensorMeta", "StreamLayout", "SideValue", "NO_BATCH_DIM"]
+__all__ = [
+    "TensorMeta",
+    "StreamLayout",
+    "SideValue",
+    "NO_BATCH_DIM",
+    "Adapter",
+    "register_adapter",
+    "unregister_adapter",
+    "adapters",
+]
 
 # ``StreamLayout.batch_dim`` of a packed [tokens, dim] stream: it has no batch dim
 NO_BATCH_DIM = -1
@@ -98,9 +107,7 @@ class SideValue:
         use: How the routed blocks and the code between them use it
             (:class:`tread_fx.passes.plan.uses.Use` value: ``"mask"``, ``"table"``, ``"ids"``,
             ``"context"``, ``"none"``, ``"unknown"``: it meets the stream only inside a
-            leaf module), or ``None``
-            when no block receiving it could be traced through. Built-in rules decide by
-            this and the shapes; ``arg_names`` are hints for ``explain`` and user adapters.
+            leaf module), or ``None`` when no block receiving it could be traced through.
         reaches: Names of the block ops that read it first (for refusal messages).
         primary: The model input the routed stream comes from (ties between table parts
             of N rows go to the part computed from it).
@@ -123,7 +130,80 @@ class SideValue:
     primary: fx.Node | None = None
     batch_broadcast: int | None = None
 
-    def dims_of_size(self, size: int) -> list[int]:
-        """Dims (other than batch) of the value whose size is ``size``."""
-        shape = getattr(self.meta, "shape", ())
-        return [d for d, s in enumerate(shape) if s == size and d != self.stream.batch_dim]
+
+@dataclass(frozen=True)
+class Adapter:
+    """A rule for side values: what it matches and what to do with it.
+
+    Attributes:
+        name: Shown by ``explain`` and in the plan's reasons.
+        matches: ``matches(side) -> bool``.
+        action: ``"gather"`` (keep the same tokens along the stream's token dim),
+            ``"pass"`` (leave untouched), or ``fn(value, kept_idx, **layout, **options)``
+            that the rewrite pass inserts into the graph (it runs on every step, so it must
+            be pure tensor code).
+        doc: What the rule assumes about the values it matches.
+        builtin: Whether tread_fx registered it.
+        options: ``options(side) -> dict`` of extra keyword arguments for a function
+            action, decided at plan time (e.g. which dims hold token rows).
+        shares_selection: The action only works if every sample keeps the same tokens
+            (batch-shared tables): routes that this value enters share their selection
+            across the batch.
+        diagnose: ``diagnose(side) -> str | None``: for a value the rule is meant for but
+            cannot handle, why (added to strict mode's refusal).
+        by_shape_only: A built-in rule for values whose use the blocks do not show: what it
+            decides is reported with a warning naming the value and how to override it.
+        segments: The values it matches hold a packed stream's segment boundaries, as
+            ``"offsets"`` (``cu_seqlens``) or ``"ids"`` (one segment id per token): the
+            route then selects per segment.
+    """
+
+    name: str
+    matches: Callable[[SideValue], bool]
+    action: str | Callable[..., Any]
+    doc: str = ""
+    builtin: bool = field(default=False, compare=False)
+    options: Callable[[SideValue], dict[str, Any]] | None = field(default=None, compare=False)
+    shares_selection: bool = False
+    diagnose: Callable[[SideValue], str | None] | None = field(default=None, compare=False)
+    by_shape_only: bool = field(default=False, compare=False)
+    segments: str | None = None
+
+
+_ADAPTERS: list[Adapter] = []
+
+
+def register_adapter(adapter: Adapter, *, first: bool = True) -> Adapter:
+    """Register an adapter; by default it is consulted before the built-in ones.
+
+    Example:
+        >>> from tread_fx.adapters import Adapter, register_adapter, unregister_adapter
+        >>> mine = register_adapter(Adapter(
+        ...     name="my-pos-table",
+        ...     matches=lambda side: side.arg_names == {"my_pos"},
+        ...     action="gather",
+        ...     doc="my_pos is [B, N, d], one row per token.",
+        ... ))
+        >>> unregister_adapter(mine)
+    """
+    if first:
+        _ADAPTERS.insert(0, adapter)
+    else:
+        _ADAPTERS.append(adapter)
+    return adapter
+
+
+def unregister_adapter(adapter: Adapter | str) -> None:
+    """Remove an adapter (or every adapter with that name) from the registry.
+
+    Example:
+        >>> from tread_fx.adapters import Adapter, register_adapter, unregister_adapter
+        >>> unregister_adapter(register_adapter(Adapter("tmp", lambda s: False, "pass")))
+    """
+    name = adapter if isinstance(adapter, str) else None
+    _ADAPTERS[:] = [a for a in _ADAPTERS if not (a is adapter or a.name == name)]
+
+
+def adapters() -> tuple[Adapter, ...]:
+    """Return the registered adapters in the order they are consulted."""
+    return tuple(_ADAPTERS)

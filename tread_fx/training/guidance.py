@@ -27,7 +27,7 @@ from typing import Any
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from tread_fx.api import _state, is_routed
+from tread_fx.api import _state
 from tread_fx.errors import InvalidRateError
 from tread_fx.routes import check_rate
 
@@ -86,8 +86,7 @@ def sparse_guidance(
         **kwargs: The model's keyword inputs.
     """
     strong_rate, weak_rate = (check_rate(r, "guidance rate") for r in rates)
-    if not is_routed(model):
-        _state(model, "sparse_guidance")  # raises NotRoutedError with the fix
+    _state(model, "sparse_guidance")  # raises NotRoutedError with the fix if not routed
     if weak_rate <= strong_rate:
         raise InvalidRateError(
             f"rates={rates} must route more tokens in the weak branch than in the strong one "

@@ -52,7 +52,10 @@ def full_token_loss(per_element: torch.Tensor, weight: torch.Tensor | None = Non
         per_element: Unreduced loss, e.g. ``(pred - target) ** 2``, [B, ...].
         weight: Optional per-sample weight [B] (EDM's lambda(sigma)).
     """
-    per_sample = per_element.flatten(1).mean(1)
+    return _mean(per_element.flatten(1).mean(1), weight)
+
+
+def _mean(per_sample: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
     return (per_sample * weight).mean() if weight is not None else per_sample.mean()
 
 
@@ -73,30 +76,26 @@ def patch_loss(per_pixel: torch.Tensor, patch_size: int | tuple[int, int]) -> to
     return pooled.flatten(1)
 
 
-def _image_mask(info: RouteInfo, per_token: torch.Tensor, processed: bool) -> torch.Tensor:
-    routed_around = info.routed_mask[:, info.prefix : info.num_tokens - info.suffix]
-    if routed_around.shape != per_token.shape:
-        raise LossShapeError(
-            f"per-token loss has shape {tuple(per_token.shape)}, but route "
-            f"({info.route.start}, {info.route.end}) covers {routed_around.shape[1]} image tokens "
-            f"(batch {routed_around.shape[0]}); pool with patch_loss(per_pixel, patch_size)."
-        )
-    mask = ~routed_around if processed else routed_around
-    return mask.to(per_token.dtype)
-
-
-def _masked_mean(per_token: torch.Tensor, mask: torch.Tensor, weight: torch.Tensor | None):
-    per_sample = (per_token * mask).sum(1) / mask.sum(1).clamp_min(1)
-    return (per_sample * weight).mean() if weight is not None else per_sample.mean()
-
-
-def _check_infos(infos: Sequence[RouteInfo] | None) -> Sequence[RouteInfo]:
+def _per_route(per_token: torch.Tensor, infos, weight: torch.Tensor | None, processed: bool):
+    """Per route, the mean loss over its processed (or routed-around) tokens; over routes."""
     if not infos:
         raise LossShapeError(
             "no route info: call the routed model in training mode first and pass "
             "tread_fx.route_info(model); for unrouted steps use full_token_loss."
         )
-    return infos
+    losses = []
+    for info in infos:
+        routed_around = info.routed_mask[:, info.prefix : info.num_tokens - info.suffix]
+        if routed_around.shape != per_token.shape:
+            raise LossShapeError(
+                f"per-token loss has shape {tuple(per_token.shape)}, but route "
+                f"({info.route.start}, {info.route.end}) covers {routed_around.shape[1]} image "
+                f"tokens (batch {routed_around.shape[0]}); pool with patch_loss(per_pixel, "
+                "patch_size)."
+            )
+        mask = (~routed_around if processed else routed_around).to(per_token.dtype)
+        losses.append(_mean((per_token * mask).sum(1) / mask.sum(1).clamp_min(1), weight))
+    return torch.stack(losses).mean()
 
 
 def masked_denoising_loss(
@@ -105,9 +104,7 @@ def masked_denoising_loss(
     weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per route, the mean loss over the tokens it processed; averaged over routes."""
-    infos = _check_infos(infos)
-    losses = [_masked_mean(per_token, _image_mask(i, per_token, True), weight) for i in infos]
-    return torch.stack(losses).mean()
+    return _per_route(per_token, infos, weight, processed=True)
 
 
 def reconstruction_loss(
@@ -116,9 +113,7 @@ def reconstruction_loss(
     weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per route, the mean loss over the routed-around tokens (MaskDiT's MAE term)."""
-    infos = _check_infos(infos)
-    losses = [_masked_mean(per_token, _image_mask(i, per_token, False), weight) for i in infos]
-    return torch.stack(losses).mean()
+    return _per_route(per_token, infos, weight, processed=False)
 
 
 def tread_loss(
