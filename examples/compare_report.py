@@ -300,7 +300,7 @@ def setup_figures(out: Path) -> dict | None:
     from train import build_routed_model, load_data
 
     import tread_fx
-    from tread_fx.inspection.counts import flop_counter
+    from tread_fx.inspection.flops import flop_counter
 
     seed_dirs = sorted(out.glob("seed*"))
     if not seed_dirs:

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from tread_fx.inspection import cli
+from tread_fx import cli
 from tread_fx.inspection.report import SCHEMA
 
 TINY = json.dumps(
@@ -186,7 +186,7 @@ def test_any_factory_with_an_input_shape(capsys, user_models):
 
 def test_the_console_script_runs():
     exe = shutil.which("tread-fx", path=os.path.dirname(sys.executable))
-    command = [exe] if exe else [sys.executable, "-m", "tread_fx.inspection.cli"]
+    command = [exe] if exe else [sys.executable, "-m", "tread_fx.cli"]
     result = subprocess.run(
         [*command, "diff", *DIT], capture_output=True, text=True, timeout=300, check=False
     )

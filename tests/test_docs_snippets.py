@@ -146,7 +146,7 @@ def test_the_readme_inspect_commands_run(kind: str) -> None:
     else:
         commands = [c for c in commands if " diff " in c and "--format dot" in c]
     words = shlex.split(commands[0])
-    cli = [sys.executable, "-m", "tread_fx.inspection.cli", *words[1:]]
+    cli = [sys.executable, "-m", "tread_fx.cli", *words[1:]]
     done = subprocess.run(cli, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip()

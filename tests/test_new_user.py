@@ -123,7 +123,7 @@ def test_pyproject_license_is_an_spdx_expression() -> None:
 
 
 def test_the_cli_says_what_it_is_doing_on_stderr(capsys) -> None:
-    from tread_fx.inspection.cli import main
+    from tread_fx.cli import main
 
     tiny = '{"depth": 4, "input_size": 8, "in_channels": 1, "num_classes": 10}'
     threads = torch.get_num_threads()

@@ -1,8 +1,8 @@
 """The ``tread-fx`` command line: parsed before anything heavy is imported.
 
 ``tread-fx --help`` and bad command lines answer without importing torch; a command that runs
-imports :mod:`tread_fx.inspection.cli`, which explains or diffs the model. Usage and exit
-statuses: :mod:`tread_fx.inspection.cli`.
+imports :func:`tread_fx.inspection.cli.run`, which explains or diffs the model (it never
+imports this module back). Usage and exit statuses: :mod:`tread_fx.inspection.cli`.
 
 Example:
     >>> build_parser().parse_args(["explain", "tread_fx.models:DiT_S_2"]).routes is None
@@ -12,6 +12,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
 
 __all__ = ["FORMATS", "build_parser", "main"]
@@ -82,3 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from tread_fx.inspection.cli import run
 
     return run(args)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -29,12 +29,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import nn
 
-from tread_fx.cli import FORMATS, build_parser  # noqa: F401 - FORMATS: re-exported
 from tread_fx.errors import ExampleInputError, InvalidRouteError, ModelSpecError, TreadFxError
 
-__all__ = ["main", "build_parser", "load_model", "parse_route_specs", "parse_shape", "run"]
+__all__ = ["load_model", "parse_route_specs", "parse_shape", "run"]
 
 
 def parse_route_specs(specs: Sequence[str]) -> list[tuple]:
@@ -168,15 +168,10 @@ def _render(exp: Any, args: argparse.Namespace) -> str:
         color = _use_color(args.color, args.out)
         return (exp.report(color=color) if args.command == "explain" else _diff_text(exp)) + "\n"
     if fmt == "json":
-        data = exp.to_dict()
-        if args.command == "diff":
-            data = {"schema": "tread_fx.diff/1", "model": exp.model, **exp.diff.to_dict()}
-        return json.dumps(data, indent=2) + "\n"
-    if fmt == "dot":
-        return render.to_dot(exp, full=args.full)
-    if fmt == "svg":
-        return render.to_svg(exp, full=args.full)
-    return render.to_html(exp, full=args.full)
+        diff = {"schema": "tread_fx.diff/1", "model": exp.model, **exp.diff.to_dict()}
+        return json.dumps(exp.to_dict() if args.command == "explain" else diff, indent=2) + "\n"
+    draw = {"dot": render.to_dot, "svg": render.to_svg, "html": render.to_html}[fmt]
+    return draw(exp, full=args.full)
 
 
 def _diff_text(exp: Any) -> str:
@@ -185,20 +180,6 @@ def _diff_text(exp: Any) -> str:
 
 
 def _run(args: argparse.Namespace) -> str:
-    import torch
-
-    threads = torch.get_num_threads()
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
-    try:
-        return _explain_and_render(args)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _explain_and_render(args: argparse.Namespace) -> str:
-    import torch
-
     from tread_fx.inspection.explain import explain
     from tread_fx.inspection.inputs import example_inputs
 
@@ -256,8 +237,10 @@ class _Progress:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Runs a parsed ``tread-fx`` command line (see :func:`tread_fx.cli.main`); returns the
-    exit status."""
+    """Runs a command line parsed by :func:`tread_fx.cli.main`; returns the exit status."""
+    threads = torch.get_num_threads()
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     try:
         text = _run(args)
     except TreadFxError as err:
@@ -265,6 +248,8 @@ def run(args: argparse.Namespace) -> int:
             raise
         print(f"tread-fx: error: {err}", file=sys.stderr)
         return 1
+    finally:
+        torch.set_num_threads(threads)
     out = args.out
     if out:
         os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
@@ -274,12 +259,3 @@ def run(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(text)
     return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``tread-fx``; returns the exit status."""
-    return run(build_parser().parse_args(argv))
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

@@ -1,11 +1,8 @@
 """``tread_fx.explain``: see exactly what routing does to a model, without touching it.
 
 It runs the same passes as ``route()`` (trace -> locate -> plan -> rewrite) on example inputs
-and reports: the block stack(s), the token stream, every value crossing a route's boundary and
-what happens to it (gathered, scattered back, passed through, refused), the nodes each route
-inserts and the token count entering every block, the structural diff of the two graphs, the
-ATen op and FLOP counts per block of both graphs (forward and forward + backward), the
-predicted speed-up, and the specialisations fixed at trace time.
+and gathers what they did into an :class:`~tread_fx.inspection.report.Explanation` (stacks,
+stream, boundary values, inserted nodes, tokens and FLOPs per block, graph diff, guards).
 
 Example:
     >>> import torch, tread_fx
@@ -30,17 +27,9 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from tread_fx.api import check_call
-from tread_fx.config import RoutingConfig, resolve_config
+from tread_fx.api import split_example
+from tread_fx.config import RoutingConfig, options_of, resolve_config
 from tread_fx.errors import SideInputError
-from tread_fx.inspection.explanation import (
-    BlockReport,
-    Explanation,
-    FlopReport,
-    InsertedNode,
-    RouteReport,
-    SideInput,
-)
 from tread_fx.inspection.flops import block_nodes, fake_shapes, module_arg_index, profile_graph
 from tread_fx.inspection.graphdiff import diff_graphs, module_path, shape_of, target_name
 from tread_fx.inspection.guards import (
@@ -51,9 +40,19 @@ from tread_fx.inspection.guards import (
     specialisation_guards,
 )
 from tread_fx.inspection.inputs import example_inputs as make_example_inputs
-from tread_fx.passes.locate.stacks import argument_name
-from tread_fx.passes.locate.stream import BlockCall, block_leaf_paths, candidate_stacks, input_slots
-from tread_fx.passes.locate.token_major import token_major_unit
+from tread_fx.inspection.records import (
+    BlockReport,
+    FlopReport,
+    InsertedNode,
+    RouteReport,
+    SideInput,
+)
+from tread_fx.inspection.report import Explanation
+from tread_fx.module_state import check_call
+from tread_fx.passes.locate.dataflow import argument_name, input_slots
+from tread_fx.passes.locate.dims import token_major_unit
+from tread_fx.passes.locate.stacks import block_leaf_paths, candidate_stacks
+from tread_fx.passes.locate.stream import BlockCall
 from tread_fx.passes.plan.route_plan import Crossing
 from tread_fx.passes.rewrite.insert import Reinsert
 from tread_fx.passes.trace.tracer import trace_call
@@ -203,7 +202,7 @@ def _stacks(model: nn.Module, built: Built) -> tuple[list[dict], list[str]]:
     return stacks, others
 
 
-def _stream(built: Built, selection: str) -> dict[str, Any]:
+def _stream(built: Built) -> dict[str, Any]:
     info = built.info
     meta = info.stream_meta
     grid = built.plans[0].layout.grid if built.plans else None
@@ -216,7 +215,7 @@ def _stream(built: Built, selection: str) -> dict[str, Any]:
         "prefix": info.prefix,
         "suffix": info.suffix,
         "grid": list(grid) if grid else None,
-        "selection": selection,
+        "selection": built.selection,
         "unit": token_major_unit(meta.shape),
         "folded": info.folded,
         "enters_at": info.blocks[0].path,
@@ -235,12 +234,6 @@ def _choice(choice: Any) -> dict[str, Any] | None:
         "guessed": choice.guessed,
         "option": f"stream={choice.option}",
     }
-
-
-def _split(example: Any) -> tuple[tuple, dict]:
-    if isinstance(example, tuple) and len(example) == 2 and isinstance(example[1], dict):
-        return tuple(example[0]), dict(example[1])
-    return (tuple(example) if isinstance(example, (tuple, list)) else (example,)), {}
 
 
 def explain(
@@ -275,10 +268,9 @@ def explain(
         strict: As for ``route()``; a strict refusal is reported (lenient graph shown).
         grid: Patch grid for ``selection="rows"``.
         reinsert: How routed-around tokens re-enter.
-        share_selection: As for ``route()``: share one selection across the batch where
-            needed (``None``), always (``True``) or never (``False``).
-        fp32_reentry: As for ``route()``: the first block after each route runs in float32.
-        stream: As for ``route()``: the forward argument whose tokens are routed.
+        share_selection: As for ``route()`` (share one selection across the batch).
+        fp32_reentry: As for ``route()`` (the block after each route runs in float32).
+        stream: As for ``route()`` (the forward argument whose tokens are routed).
         flops: Count ATen ops and FLOPs (``make_fx`` on fake tensors); ``False`` is faster.
         progress: Called with a short line before each stage (tracing, planning, FLOP
             counting); the ``tread-fx`` command prints them to stderr.
@@ -292,23 +284,10 @@ def explain(
         >>> print(tread_fx.explain(m, [(1, 3)], flops=False).routes[0].kept_tokens)
         8
     """
-    config = resolve_config(
-        model,
-        routes,
-        rate,
-        selection=selection,
-        blocks=blocks,
-        keep_prefix=keep_prefix,
-        strict=strict,
-        grid=grid,
-        reinsert=reinsert,
-        share_selection=share_selection,
-        fp32_reentry=fp32_reentry,
-        stream=stream,
-    )
+    config = resolve_config(model, routes, rate, **options_of(locals()))
     if example_inputs is None:
         example_inputs = make_example_inputs(model)
-    args, kwargs = _split(example_inputs)
+    args, kwargs = split_example(example_inputs)
     modes = [(m, m.training) for m in model.modules()]
     model.train()
     say = progress or (lambda _line: None)
@@ -321,16 +300,7 @@ def explain(
             original = trace_call(model, args, kwargs, leaves)
         guards = signature_guards(model, args, kwargs)
         names = _placeholder_names(model, args, kwargs, original)
-        guards += specialisation_guards(list(records), names)
-        guards += [
-            Guard(
-                "route",
-                f"route {p.index} keeps",
-                f"{p.kept_tokens} of {p.layout.num_tokens} tokens",
-            )
-            for p in built.plans
-        ]
-        guards += _told_counts(built)
+        guards += specialisation_guards(list(records), names) + _route_guards(built)
         found = (built, original, refusal)
         say("counting ATen ops and FLOPs of both graphs" if flops else "diffing the graphs")
         return _assemble(model, (args, kwargs), found, guards, names, config, flops)
@@ -339,11 +309,15 @@ def explain(
             module.training = mode
 
 
-def _told_counts(built: Built) -> list[Guard]:
-    """The block ints a route rewrites: only those that size the stream's token dim
-    (``tread_fx/passes/plan/uses.py``); any other int stays, whatever its value."""
+def _route_guards(built: Built) -> list[Guard]:
+    """The tokens each route keeps, and the block ints it rewrites: only those that size the
+    stream's token dim (``tread_fx/passes/plan/uses.py``); any other int stays."""
     gm = built.gm
-    return [
+    keeps = [
+        Guard("route", f"route {p.index} keeps", f"{p.kept_tokens} of {p.layout.num_tokens} tokens")
+        for p in built.plans
+    ]
+    return keeps + [
         Guard(
             "route",
             f"route {p.index} tells {node.target.removeprefix('model.')} "
@@ -362,11 +336,6 @@ def _placeholder_names(model, args, kwargs, traced) -> dict[str, str]:
         return {}
     placeholders = [n for n in traced.gm.graph.nodes if n.op == "placeholder"]
     return {p.name: names[pos] for p, pos in zip(placeholders, traced.tensor_positions)}
-
-
-def _inputs(traced: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    flat = pytree.tree_leaves((args, kwargs))
-    return [flat[i] for i in traced.tensor_positions]
 
 
 def _try_profiles(original, routed, tensors, noise, paths) -> tuple | None:
@@ -390,14 +359,17 @@ def _try_profiles(original, routed, tensors, noise, paths) -> tuple | None:
 
 def _assemble(model, call, found, guards, names, config, flops) -> Explanation:
     built, original, refusal = found
-    tensors = _inputs(original, *call)
+    flat = pytree.tree_leaves(call)
+    tensors = [flat[i] for i in original.tensor_positions]
     noise = [torch.zeros(p.layout.batch_size, p.units) for p in built.plans]  # shapes only
     paths = [b.path for b in built.info.blocks]
-    profiles = None
-    if flops:
-        profiles = _try_profiles(original.gm, built.gm, tensors, noise, paths)
+    profiles = _try_profiles(original.gm, built.gm, tensors, noise, paths) if flops else None
+    flop_report = None
     if profiles is not None:
         shapes = (profiles[0].shapes, profiles[1].shapes)
+        flop_report = FlopReport(
+            profiles[0].total, profiles[1].total, profiles[0].outside, profiles[1].outside
+        )
     else:
         shapes = (
             fake_shapes(original.gm, tensors, paths),
@@ -413,26 +385,21 @@ def _assemble(model, call, found, guards, names, config, flops) -> Explanation:
             p.layout.num_tokens,
             p.kept_tokens,
             p.layout.prefix,
+            p.layout.suffix,
             p.units,
             p.keep_units,
             _inserted(built.gm, p.index, shapes[1]),
             _side_inputs(built, p, names, shapes[1]),
             sorted(n.name for n in p.region if n in alive),
-            p.layout.suffix,
         )
         for p in built.plans
     ]
-    flop_report = None
-    if profiles is not None:
-        flop_report = FlopReport(
-            profiles[0].total, profiles[1].total, profiles[0].outside, profiles[1].outside
-        )
     stacks, candidates = _stacks(model, built)
     return Explanation(
         model=type(model).__name__,
         stacks=stacks,
         candidates=candidates,
-        stream=_stream(built, built.selection),
+        stream=_stream(built),
         routes=routes,
         blocks=_blocks(model, built, original, shapes, profiles),
         flops=flop_report,

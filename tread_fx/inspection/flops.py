@@ -11,10 +11,8 @@ Everything runs on fake tensors (no compute, no memory; the model is not modifie
    graph gives the block's op and FLOP counts (kept as :attr:`BlockCost.aten_forward`).
 
 The total is the outside part plus every block call, so a 28-block model costs two block
-traces (full and routed token count), not 28. FLOPs use the formulas of
-``torch.utils.flop_counter`` with :data:`FLOP_FORMULAS` (the CPU attention kernel it lacks, a
-groups-aware convolution backward), so the totals equal :func:`flop_counter` (that is,
-``FlopCounterMode(custom_mapping=FLOP_FORMULAS)``) on a real step.
+traces (full and routed token count), not 28. FLOPs use :data:`FLOP_FORMULAS` on top of
+``torch.utils.flop_counter``, so the totals equal :func:`flop_counter` on a real step.
 
 Example:
     >>> import torch, tread_fx
@@ -30,6 +28,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -43,17 +42,16 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
-
-from tread_fx.inspection.counts import (
-    FLOP_FORMULAS,
-    BlockCost,
-    Cost,
-    GraphProfile,
-    OpCounts,
-    add_op,
-    count_graph,
-    flop_counter,
+from torch.utils.flop_counter import (
+    FlopCounterMode,
+    conv_flop_count,
+    flop_registry,
+    sdpa_backward_flop_count,
+    sdpa_flop_count,
+    shape_wrapper,
 )
+
+from tread_fx.inspection.records import BlockCost, Cost, GraphProfile, OpCounts
 from tread_fx.passes.trace.compat import dynamo_wrappers_run_original
 from tread_fx.passes.trace.tracer import MODEL_PREFIX
 from tread_fx.runtime.ops import call_in_fp32
@@ -74,6 +72,87 @@ __all__ = [
 aten = torch.ops.aten
 
 
+def _cpu_sdpa_flop(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+def _cpu_sdpa_backward_flop(
+    grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs
+) -> int:
+    return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+
+
+def _conv_backward_flop(grad_out_shape, x_shape, w_shape, _bias, _stride, _padding, _dilation,
+                        transposed, _output_padding, _groups, output_mask, out_shape=None,
+                        **kwargs) -> int:  # fmt: skip
+    flops = 0
+    if output_mask[0]:  # grad_input: a transposed conv of grad_out with the same weight
+        flops += conv_flop_count(grad_out_shape, w_shape, out_shape[0], not transposed)
+    if output_mask[1]:  # grad_weight: one multiply-add per (output position, weight) pair
+        flops += conv_flop_count(x_shape, w_shape, grad_out_shape, transposed)
+    return flops
+
+
+FLOP_FORMULAS: dict[Any, Callable[..., int]] = {
+    aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flop,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_sdpa_backward_flop,
+    aten.convolution_backward: _conv_backward_flop,
+}
+"""FLOP formulas added to or corrected in ``torch.utils.flop_counter``.
+
+The CPU flash-attention kernel has no formula there, and its convolution backward counts the
+weight gradient of a grouped convolution ``groups`` times (a depthwise conv over ``C``
+channels as if it were dense: Mamba's causal conv). Pass them to
+``FlopCounterMode(custom_mapping=FLOP_FORMULAS)`` (or use :func:`flop_counter`) to count like
+this module.
+"""
+
+
+def flop_counter(display: bool = False) -> FlopCounterMode:
+    """The project's FLOP counter: ``FlopCounterMode`` with :data:`FLOP_FORMULAS` added.
+
+    Count every FLOP figure with this one (benchmarks, tests, coverage): torch's stock counter
+    counts 0 FLOPs for CPU attention and over-counts a grouped convolution's backward.
+
+    Args:
+        display: Print torch's per-module table when the counter exits.
+
+    Example:
+        >>> import torch, torch.nn.functional as F
+        >>> q = torch.randn(1, 2, 8, 4)  # [B, heads, tokens, head_dim]
+        >>> with flop_counter() as counter:
+        ...     _ = F.scaled_dot_product_attention(q, q, q)
+        >>> counter.get_total_flops()  # 2 matmuls of 2 * 1 * 2 * 8 * 8 * 4 FLOPs
+        2048
+    """
+    return FlopCounterMode(display=display, custom_mapping=FLOP_FORMULAS)
+
+
+_FORMULAS = {**flop_registry, **{k: shape_wrapper(v) for k, v in FLOP_FORMULAS.items()}}
+
+
+def _add_op(counts: OpCounts, op: Any, args: Any, kwargs: dict, out: Any) -> None:
+    """Add one ATen call ``op(*args, **kwargs) -> out`` (and its FLOPs) to ``counts``."""
+    if not isinstance(op, torch._ops.OpOverload) or op.namespace == "prim":
+        return
+    counts.ops[str(op)] += 1
+    formula = _FORMULAS.get(op.overloadpacket)
+    if formula is not None:
+        counts.flops += int(formula(*args, **kwargs, out_val=out))
+
+
+def _count_graph(graph: fx.Graph) -> OpCounts:
+    """The ATen ops and FLOPs of an ATen graph whose nodes carry ``meta['val']``."""
+    counts = OpCounts()
+    for node in graph.nodes:
+        if node.op == "call_function":
+            args, kwargs = pytree.tree_map_only(
+                fx.Node, lambda n: n.meta.get("val"), (node.args, node.kwargs)
+            )
+            _add_op(counts, node.target, args, kwargs, node.meta.get("val"))
+    return counts
+
+
 _PAUSED = [0]
 
 
@@ -88,7 +167,7 @@ class _AtenCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if not _PAUSED[0]:
-            add_op(self.counts, func, args, kwargs, out)
+            _add_op(self.counts, func, args, kwargs, out)
         return out
 
 
@@ -112,7 +191,7 @@ def _trace_cost(
     backward = _AtenCounter()
     with backward:
         _grads(out, [*tensors, *state.values()])
-    return Cost(count_graph(forward.graph), backward.counts), forward
+    return Cost(_count_graph(forward.graph), backward.counts), forward
 
 
 def _grads(out: Any, wrt: list) -> Any:
@@ -299,17 +378,13 @@ def fake_shapes(
         (2, 3)
     """
 
-    def run(values: list) -> dict[str, Any]:
+    def run(values: list, mode: str) -> dict[str, Any]:
         capture = _Capture(gm, block_nodes(gm, block_paths), {})
-        capture.run(*values)
+        with torch.no_grad() if mode == "real" else contextlib.nullcontext():
+            capture.run(*values)
         return capture.shapes
 
-    try:
-        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-            return run([mode.from_tensor(t) for t in inputs])
-    except Exception:  # noqa: BLE001 - what fake tensors cannot run runs on real values
-        with torch.no_grad():
-            return run([t.detach().clone() for t in inputs])
+    return _fake_or_real(run, inputs)
 
 
 def profile_graph(
@@ -330,17 +405,24 @@ def profile_graph(
         The :class:`GraphProfile`; ``total`` counts one training step (forward + backward
         with all-ones output gradients, gradients for every parameter).
     """
+    costs = {} if block_costs is None else block_costs
+    return _fake_or_real(
+        lambda values, mode: _profile(gm, values, block_paths, costs, mode), inputs
+    )
+
+
+def _fake_or_real(run: Callable[[list, str], Any], inputs: Sequence[torch.Tensor]) -> Any:
+    """``run(values, "fake")`` on fake copies of ``inputs``; what fake tensors cannot run
+    (data-dependent code such as ``nonzero``, ops without a fake kernel) on real copies."""
     try:
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-            fake = [mode.from_tensor(t) for t in inputs]
-            return _profile(gm, fake, block_paths, block_costs, "fake")
-    except Exception:  # noqa: BLE001 - data-dependent code (nonzero), ops without a fake kernel
-        real = [t.detach().clone() for t in inputs]
-        return _profile(gm, real, block_paths, {} if block_costs is None else block_costs, "real")
+            return run([mode.from_tensor(t) for t in inputs], "fake")
+    except Exception:  # noqa: BLE001 - what fake tensors cannot run runs on real values
+        return run([t.detach().clone() for t in inputs], "real")
 
 
 def _profile(
-    gm: fx.GraphModule, fake: list, block_paths: Sequence[str], block_costs, mode: str
+    gm: fx.GraphModule, fake: list, block_paths: Sequence[str], costs: dict, mode: str
 ) -> GraphProfile:
     """:func:`profile_graph` on ``fake`` (fake tensors, or real ones with ``mode="real"``)."""
     cache: dict[tuple, _Signature] = {}
@@ -350,7 +432,6 @@ def _profile(
         outputs = capture.run(*fake)
     with backward:
         _grads(outputs, list(gm.parameters()))
-    costs = {} if block_costs is None else block_costs
     for key, sig in cache.items():
         if key not in costs:
             tensors = [sig.flat[i] for i in sig.positions]
@@ -358,12 +439,6 @@ def _profile(
     blocks = []
     for node, sig in capture.calls.items():
         cost, graph = costs[sig.key]
-        shapes = tuple(_shape(v) for v in sig.flat)
-        blocks.append(
-            BlockCost(cost.forward, cost.backward, capture.block_nodes[node], shapes, graph)
-        )
+        blocks.append(BlockCost(cost.forward, cost.backward, capture.block_nodes[node], graph))
     outside = Cost(forward.counts, backward.counts)
-    total = outside
-    for block in blocks:
-        total = total + block
-    return GraphProfile(total, blocks, outside, capture.shapes)
+    return GraphProfile(sum(blocks, outside), blocks, outside, capture.shapes)

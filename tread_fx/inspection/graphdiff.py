@@ -32,7 +32,15 @@ import torch.fx as fx
 
 from tread_fx.passes.trace.tracer import MODEL_PREFIX, TensorMeta
 
-__all__ = ["GraphDiff", "Rewire", "diff_graphs", "to_networkx", "node_key", "shape_of"]
+__all__ = [
+    "GraphDiff",
+    "Rewire",
+    "diff_graphs",
+    "to_networkx",
+    "node_key",
+    "shape_of",
+    "fmt_shape",
+]
 
 STATUSES = ("added", "removed", "rewired", "resized", "unchanged")
 
@@ -74,13 +82,7 @@ class GraphDiff:
 
     def counts(self) -> dict[str, int]:
         """Number of nodes per status."""
-        return {
-            "added": len(self.added),
-            "removed": len(self.removed),
-            "rewired": len(self.rewired),
-            "resized": len(self.resized),
-            "unchanged": len(self.unchanged),
-        }
+        return {status: len(getattr(self, status)) for status in STATUSES}
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (node names, inputs and shapes)."""
@@ -129,7 +131,7 @@ class GraphDiff:
         for name in self.resized:
             before = self.original.nodes[back[name]]["shape"]
             after = g.nodes[name]["shape"]
-            lines.append(f"* {name:<24} {_fmt(before)} -> {_fmt(after)}")
+            lines.append(f"* {name:<24} {fmt_shape(before)} -> {fmt_shape(after)}")
         return "\n".join(lines)
 
 
@@ -137,11 +139,12 @@ def _json_shape(shape: Any) -> Any:
     return list(shape) if isinstance(shape, tuple) else shape
 
 
-def _fmt(shape: Any) -> str:
+def fmt_shape(shape: Any) -> str:
+    """``[1, 256, 768]``, ``([..], [..])`` for tuples, ``-`` for Python values."""
     if isinstance(shape, tuple) and all(isinstance(s, int) for s in shape):
         return "[" + ", ".join(map(str, shape)) + "]"
     if isinstance(shape, tuple):
-        return "(" + ", ".join(_fmt(s) for s in shape) + ")"
+        return "(" + ", ".join(fmt_shape(s) for s in shape) + ")"
     return "-"
 
 
@@ -188,9 +191,13 @@ def shape_of(node: fx.Node, shapes: dict[str, Any] | None = None) -> Any:
     meta = node.meta.get("tread_meta")
     if isinstance(meta, TensorMeta):
         return meta.shape
-    if isinstance(meta, (tuple, list)) and any(isinstance(m, TensorMeta) for m in meta):
+    if _holds_tensors(meta):
         return tuple(m.shape if isinstance(m, TensorMeta) else None for m in meta)
     return None
+
+
+def _holds_tensors(meta: Any) -> bool:
+    return isinstance(meta, (tuple, list)) and any(isinstance(m, TensorMeta) for m in meta)
 
 
 def to_networkx(graph: fx.Graph, shapes: dict[str, Any] | None = None) -> nx.DiGraph:
@@ -228,9 +235,7 @@ def _python_value(node: fx.Node) -> bool:
     if node.op in ("placeholder", "output") or node.meta.get("tread_role"):
         return False
     meta = node.meta.get("tread_meta")
-    if isinstance(meta, TensorMeta):
-        return False
-    if isinstance(meta, (tuple, list)) and any(isinstance(m, TensorMeta) for m in meta):
+    if isinstance(meta, TensorMeta) or _holds_tensors(meta):
         return False
     return node.op != "call_module" and not (node.op == "get_attr" and meta is None)
 

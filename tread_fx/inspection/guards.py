@@ -116,11 +116,8 @@ def recording_specialisations() -> Iterator[list[tuple[fx.Node, str, Any]]]:
     Yields a list that fills with ``(node, what, value)`` of the last trace attempt (a trace
     retried with an auto-leaf starts over).
     """
-    tracer_cls = getattr(trace_pass, "ValueTracer", None)
+    tracer_cls = trace_pass.ValueTracer
     records: list[tuple[fx.Node, str, Any]] = []
-    if not all(hasattr(tracer_cls, m) for m in ("concrete", "structure")):
-        yield records  # the tracer changed shape: list no shape guards rather than fail
-        return
     original_concrete, original_structure = tracer_cls.concrete, tracer_cls.structure
     last: dict[str, Any] = {"tracer": None}
 

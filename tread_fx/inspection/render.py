@@ -22,16 +22,14 @@ import html
 import shutil
 import subprocess
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 import networkx as nx
 
 from tread_fx.errors import GraphvizNotFoundError
+from tread_fx.inspection.graphdiff import fmt_shape
 from tread_fx.inspection.layout import NODE_H, NODE_W, layered_layout, spine_of
-from tread_fx.inspection.report import fmt_flops, fmt_shape
-
-if TYPE_CHECKING:
-    from tread_fx.inspection.explanation import Explanation
+from tread_fx.inspection.report import Explanation, Style, fmt_flops, side_input_cells
 
 __all__ = ["to_dot", "to_svg", "to_html", "graph_views", "GraphView"]
 
@@ -70,6 +68,10 @@ class GraphView:
     groups: list[Group] = field(default_factory=list)
 
 
+def _shape_label(shape: Any) -> str:
+    return fmt_shape(shape) if shape is not None else ""
+
+
 def _label(attrs: dict, name: str, inputs: dict[str, str]) -> list[str]:
     op = attrs["op"]
     if op == "placeholder":
@@ -82,7 +84,7 @@ def _label(attrs: dict, name: str, inputs: dict[str, str]) -> list[str]:
         first = attrs["target"]
     else:
         first = attrs["target"] if op == "get_attr" else op
-    second = fmt_shape(attrs["shape"]) if attrs["shape"] is not None else ""
+    second = _shape_label(attrs["shape"])
     return [first, f"{name}  {second}".strip() if first != name else second]
 
 
@@ -179,7 +181,7 @@ def _dot_side(view: GraphView, lines: list[str]) -> None:
             lines.append(f"    {_dot_node(view, name)}")
     lines.append("  }")
     for a, b, attrs in view.graph.edges(data=True):
-        shape = fmt_shape(attrs["shape"]) if attrs["shape"] is not None else ""
+        shape = _shape_label(attrs["shape"])
         lines.append(
             f"  {_q(view.name + ':' + a)} -> {_q(view.name + ':' + b)} [label={_q(shape)}];"
         )
@@ -269,7 +271,7 @@ def _svg_side(view: GraphView) -> str:
         x1, y1 = xa + pad + 20 + NODE_W / 2, ya + pad + 20 + NODE_H
         x2, y2 = xb + pad + 20 + NODE_W / 2, yb + pad + 20
         mid = (y1 + y2) / 2
-        shape = fmt_shape(attrs["shape"]) if attrs["shape"] is not None else ""
+        shape = _shape_label(attrs["shape"])
         out.append(
             f'<g class="edge"><path d="M{x1},{y1} C{x1},{mid} {x2},{mid} {x2},{y2 - 4}" '
             f'marker-end="url(#arrow)"/><text x="{x1 + 6}" y="{y1 + 12}">'
@@ -337,7 +339,6 @@ def _summary(exp: Explanation) -> str:
             f'<p class="refusal">route(strict=True) refuses: {html.escape(exp.refusal)}</p>'
         )
     rows = [
-        ["", ""],
         ["block stack", "; ".join(f"{s['path']}: {s['count']} x {s['class']}" for s in exp.stacks)],
         [
             "token stream",
@@ -346,14 +347,14 @@ def _summary(exp: Explanation) -> str:
             + (f", suffix {st['suffix']}" if st.get("suffix") else ""),
         ],
     ]
-    for r in exp.routes:
-        rows.append(
-            [
-                f"route {r.index}",
-                f"blocks {r.start}..{r.end - 1}, rate {r.rate}: "
-                f"{r.num_tokens} -> {r.kept_tokens} tokens",
-            ]
-        )
+    rows += [
+        [
+            f"route {r.index}",
+            f"blocks {r.start}..{r.end - 1}, rate {r.rate}: {r.num_tokens} -> "
+            f"{r.kept_tokens} tokens",
+        ]
+        for r in exp.routes
+    ]
     if exp.flops is not None:
         f = exp.flops
         rows.append(
@@ -361,36 +362,18 @@ def _summary(exp: Explanation) -> str:
         )
         rows.append(["predicted speed-up", f"{f.speedup:.2f}x (forward {f.forward_speedup:.2f}x)"])
     rows.append(["graph diff", ", ".join(f"{k} {v}" for k, v in exp.diff.counts().items())])
-    parts.append(_rows(rows[1:], header=False))
+    parts.append(_rows(rows, header=False))
     side = [["route", "value", "dir", "shape", "treatment", "why", "block arg"]]
-    for r in exp.routes:
-        for v in r.side_inputs:
-            side.append(
-                [
-                    r.index,
-                    v.name,
-                    v.direction,
-                    fmt_shape(v.shape),
-                    v.treatment,
-                    v.reason,
-                    ", ".join(v.received_as) or "-",
-                ]
-            )
+    plain = Style(color=False)
+    side += [[r.index, *side_input_cells(v, plain)] for r in exp.routes for v in r.side_inputs]
     parts += ["<h2>Values crossing route boundaries</h2>", _rows(side)]
     blocks = [["#", "block", "tokens", "route", "fwd+bwd original", "fwd+bwd routed"]]
     for b in exp.blocks:
         costs = (
             (fmt_flops(b.original.flops), fmt_flops(b.routed.flops)) if b.original else ("-", "-")
         )
-        blocks.append(
-            [
-                b.index,
-                b.path,
-                f"{b.tokens_original} -> {b.tokens_routed}",
-                "-" if b.route is None else b.route,
-                *costs,
-            ]
-        )
+        tokens = f"{b.tokens_original} -> {b.tokens_routed}"
+        blocks.append([b.index, b.path, tokens, "-" if b.route is None else b.route, *costs])
     parts += ["<h2>Blocks</h2>", _rows(blocks)]
     legend = "".join(
         f'<span style="background:{FILL[k]}">{k}</span>'

@@ -1,4 +1,8 @@
-"""The text report and the JSON form of a :class:`tread_fx.inspection.explain.Explanation`.
+"""What :func:`tread_fx.explain` returns: :class:`Explanation`, its text report and JSON form.
+
+:class:`Explanation` holds the routes, blocks, boundary values, FLOP counts, guards and both
+graphs (the records are in :mod:`tread_fx.inspection.records`); ``str()`` is the readable
+report and :meth:`Explanation.to_dict` validates against :data:`SCHEMA`.
 
 Example:
     >>> import tread_fx
@@ -10,140 +14,74 @@ Example:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
-from tread_fx.inspection.flops import Cost
+import torch.fx as fx
 
-if TYPE_CHECKING:
-    from tread_fx.inspection.explanation import Explanation
-
-__all__ = ["format_report", "to_dict", "SCHEMA", "Style"]
-
-_NUM = {"type": "integer"}
-_STR = {"type": "string"}
-_SHAPE = {"type": ["array", "null"]}
-_COST = {
-    "type": "object",
-    "required": ["forward", "backward", "total"],
-    "properties": {"forward": _NUM, "backward": _NUM, "total": _NUM},
-}
-
-
-def _obj(required: dict[str, Any], nullable: bool = False) -> dict[str, Any]:
-    return {
-        "type": ["object", "null"] if nullable else "object",
-        "required": list(required),
-        "properties": required,
-    }
-
-
-def _arr(items: dict[str, Any]) -> dict[str, Any]:
-    return {"type": "array", "items": items}
-
-
-SCHEMA: dict[str, Any] = _obj(
-    {
-        "schema": {"const": "tread_fx.explain/1"},
-        "model": _STR,
-        "stacks": _arr(_obj({"path": _STR, "class": _STR, "count": _NUM})),
-        "candidates": _arr(_STR),
-        "stream": _obj(
-            {
-                "shape": _arr(_NUM),
-                "dtype": _STR,
-                "batch_dim": _NUM,
-                "token_dim": _NUM,
-                "num_tokens": _NUM,
-                "prefix": _NUM,
-                "suffix": _NUM,
-                "grid": _SHAPE,
-                "selection": _STR,
-                "enters_at": _STR,
-            }
-        ),
-        "routes": _arr(
-            _obj(
-                {
-                    "index": _NUM,
-                    "start": _NUM,
-                    "end": _NUM,
-                    "rate": {"type": "number"},
-                    "num_tokens": _NUM,
-                    "kept_tokens": _NUM,
-                    "prefix": _NUM,
-                    "suffix": _NUM,
-                    "units": _NUM,
-                    "keep_units": _NUM,
-                    "inserted": _arr(
-                        _obj(
-                            {
-                                "name": _STR,
-                                "role": {"enum": ["noise", "select", "gather", "scatter"]},
-                                "target": _STR,
-                                "shape": _SHAPE,
-                                "inputs": _arr(_STR),
-                            }
-                        )
-                    ),
-                    "side_inputs": _arr(
-                        _obj(
-                            {
-                                "name": _STR,
-                                "direction": {"enum": ["in", "out"]},
-                                "shape": _SHAPE,
-                                "source": _STR,
-                                "received_as": _arr(_STR),
-                                "treatment": _STR,
-                                "reason": _STR,
-                            }
-                        )
-                    ),
-                }
-            )
-        ),
-        "blocks": _arr(
-            _obj(
-                {
-                    "index": _NUM,
-                    "path": _STR,
-                    "class": _STR,
-                    "route": {"type": ["integer", "null"]},
-                    "tokens": _obj({"original": _NUM, "routed": _NUM}),
-                    "flops": _obj({"original": _COST, "routed": _COST}, nullable=True),
-                    "aten_ops": _obj({"original": _NUM, "routed": _NUM}, nullable=True),
-                }
-            )
-        ),
-        "flops": _obj(
-            {
-                "original": _COST,
-                "routed": _COST,
-                "outside": _obj({"original": _COST, "routed": _COST}),
-                "speedup": {"type": "number"},
-                "forward_speedup": {"type": "number"},
-                "aten_ops": _obj({"original": {"type": "object"}, "routed": {"type": "object"}}),
-                "aten_delta": {"type": "object"},
-            },
-            nullable=True,
-        ),
-        "guards": _arr(_obj({"kind": _STR, "what": _STR, "value": _STR, "note": _STR})),
-        "auto_leaves": {"type": "object"},
-        "diff": _obj(
-            {
-                "counts": _obj(
-                    {k: _NUM for k in ("added", "removed", "rewired", "resized", "unchanged")}
-                ),
-                "added": _arr({"type": "object"}),
-                "removed": _arr(_STR),
-                "rewired": _arr({"type": "object"}),
-                "resized": _arr({"type": "object"}),
-                "unchanged": _NUM,
-            }
-        ),
-        "refusal": {"type": ["string", "null"]},
-    }
+from tread_fx.config import RoutingConfig
+from tread_fx.inspection.graphdiff import GraphDiff, fmt_shape
+from tread_fx.inspection.guards import Guard
+from tread_fx.inspection.records import (
+    SCHEMA,
+    SCHEMA_VERSION,
+    BlockReport,
+    Cost,
+    FlopReport,
+    GraphProfile,
+    RouteReport,
+    SideInput,
 )
-"""JSON Schema of :meth:`Explanation.to_dict` (``tread_fx.explain/1``)."""
+
+__all__ = [
+    "Explanation",
+    "format_report",
+    "to_dict",
+    "fmt_flops",
+    "side_input_cells",
+    "SCHEMA",
+    "Style",
+]
+
+
+@dataclass
+class Explanation:
+    """The structured result of :func:`explain`; ``str()`` is the readable report."""
+
+    model: str
+    stacks: list[dict[str, Any]]
+    candidates: list[str]
+    stream: dict[str, Any]
+    routes: list[RouteReport]
+    blocks: list[BlockReport]
+    flops: FlopReport | None
+    guards: list[Guard]
+    auto_leaves: dict[str, str]
+    diff: GraphDiff
+    refusal: str | None = None
+    input_names: dict[str, str] = field(default_factory=dict)
+    original_graph: fx.GraphModule | None = field(default=None, repr=False)
+    routed_graph: fx.GraphModule | None = field(default=None, repr=False)
+    profiles: tuple[GraphProfile, GraphProfile] | None = field(default=None, repr=False)
+    config: RoutingConfig | None = field(default=None, repr=False)
+
+    def report(self, color: bool = False) -> str:
+        """The text report (ANSI-coloured when ``color``)."""
+        return format_report(self, color=color)
+
+    def __str__(self) -> str:
+        return self.report(color=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (schema ``tread_fx.explain/1``, see :data:`SCHEMA`)."""
+        return to_dict(self)
+
+    def to_json(self, indent: int | None = 2) -> str:
+        """The :meth:`to_dict` result as JSON text."""
+        return json.dumps(self.to_dict(), indent=indent)
 
 
 # -- JSON ---------------------------------------------------------------------------------------
@@ -159,76 +97,56 @@ def _cost(cost: Cost) -> dict[str, int]:
     return {"forward": cost.forward.flops, "backward": cost.backward.flops, "total": cost.flops}
 
 
-def _block(block: Any) -> dict[str, Any]:
+def _both(original: Any, routed: Any, how: Callable[[Any], Any] = _cost) -> dict[str, Any]:
+    return {"original": how(original), "routed": how(routed)}
+
+
+def _block(block: BlockReport) -> dict[str, Any]:
     costs = block.original is not None and block.routed is not None
+    num_ops = lambda cost: cost.forward.num_ops
     return {
         "index": block.index,
         "path": block.path,
         "class": block.cls,
         "route": block.route,
         "tokens": {"original": block.tokens_original, "routed": block.tokens_routed},
-        "flops": {"original": _cost(block.original), "routed": _cost(block.routed)}
-        if costs
-        else None,
-        "aten_ops": {
-            "original": block.original.forward.num_ops,
-            "routed": block.routed.forward.num_ops,
-        }
-        if costs
-        else None,
+        "flops": _both(block.original, block.routed) if costs else None,
+        "aten_ops": _both(block.original, block.routed, num_ops) if costs else None,
     }
 
 
-def _flops(report: Any) -> dict[str, Any] | None:
+def _flops(report: FlopReport | None) -> dict[str, Any] | None:
     if report is None:
         return None
+    ops = lambda cost: dict(sorted(cost.forward.ops.items()))
     return {
-        "original": _cost(report.original),
-        "routed": _cost(report.routed),
-        "outside": {
-            "original": _cost(report.outside_original),
-            "routed": _cost(report.outside_routed),
-        },
+        **_both(report.original, report.routed),
+        "outside": _both(report.outside_original, report.outside_routed),
         "speedup": report.speedup,
         "forward_speedup": report.forward_speedup,
-        "aten_ops": {
-            "original": dict(sorted(report.original.forward.ops.items())),
-            "routed": dict(sorted(report.routed.forward.ops.items())),
-        },
+        "aten_ops": _both(report.original, report.routed, ops),
         "aten_delta": report.aten_delta(),
+    }
+
+
+def _route(route: RouteReport) -> dict[str, Any]:
+    lists = ("inserted", "side_inputs", "region")
+    return {
+        **{k: v for k, v in vars(route).items() if k not in lists},
+        "inserted": [{**n.__dict__, "shape": _shape(n.shape)} for n in route.inserted],
+        "side_inputs": [{**v.__dict__, "shape": _shape(v.shape)} for v in route.side_inputs],
     }
 
 
 def to_dict(exp: Explanation) -> dict[str, Any]:
     """The JSON-ready form of an explanation (validates against :data:`SCHEMA`)."""
     return {
-        "schema": "tread_fx.explain/1",
+        "schema": SCHEMA_VERSION,
         "model": exp.model,
         "stacks": exp.stacks,
         "candidates": exp.candidates,
         "stream": exp.stream,
-        "routes": [
-            {
-                **{
-                    k: getattr(r, k)
-                    for k in (
-                        "index",
-                        "start",
-                        "end",
-                        "rate",
-                        "num_tokens",
-                        "kept_tokens",
-                        "prefix",
-                        "suffix",
-                        "units",
-                        "keep_units",
-                    )
-                },
-                "inserted": [{**n.__dict__, "shape": _shape(n.shape)} for n in r.inserted],
-                "side_inputs": [{**s.__dict__, "shape": _shape(s.shape)} for s in r.side_inputs],
-            }
-            for r in exp.routes
-        ],
+        "routes": [_route(r) for r in exp.routes],
         "blocks": [_block(b) for b in exp.blocks],
         "flops": _flops(exp.flops),
         "guards": [g.__dict__ for g in exp.guards],
@@ -274,15 +192,6 @@ _TREATMENT = {
 _ROLE = {"noise": "dim", "select": "yellow", "gather": "cyan", "scatter": "magenta"}
 
 
-def fmt_shape(shape: Any) -> str:
-    """``[1, 256, 768]``, ``([..], [..])`` for tuples, ``-`` for Python values."""
-    if isinstance(shape, tuple) and all(isinstance(s, int) for s in shape):
-        return "[" + ", ".join(map(str, shape)) + "]"
-    if isinstance(shape, tuple):
-        return "(" + ", ".join(fmt_shape(s) for s in shape) + ")"
-    return "-"
-
-
 def fmt_flops(flops: int) -> str:
     """FLOPs with a unit: ``139.2 G``."""
     for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
@@ -292,13 +201,34 @@ def fmt_flops(flops: int) -> str:
 
 
 def _table(rows: list[list[str]], indent: str = "  ") -> list[str]:
-    import re
-
     plain = lambda s: re.sub(r"\033\[[0-9;]*m", "", s)
     widths = [max(len(plain(r[i])) for r in rows) for i in range(len(rows[0]))]
     return [
         indent + "  ".join(c + " " * (w - len(plain(c))) for c, w in zip(r, widths)).rstrip()
         for r in rows
+    ]
+
+
+def side_input_cells(value: SideInput, s: Style) -> list[str]:
+    """A boundary value's cells: name, direction, shape, treatment, why, block argument."""
+    return [
+        value.name,
+        value.direction,
+        fmt_shape(value.shape),
+        s(value.treatment, _TREATMENT.get(value.treatment, "bold")),
+        value.reason,
+        ", ".join(value.received_as) or "-",
+    ]
+
+
+def _cost_cells(a: Cost, b: Cost) -> list[str]:
+    """Forward and forward + backward FLOPs of both graphs, then their forward ATen ops."""
+    return [
+        fmt_flops(a.forward.flops),
+        fmt_flops(b.forward.flops),
+        fmt_flops(a.flops),
+        fmt_flops(b.flops),
+        f"{a.forward.num_ops} / {b.forward.num_ops}",
     ]
 
 
@@ -334,30 +264,19 @@ def _routes_section(exp: Explanation, s: Style) -> list[str]:
             )
         lines.append(f"    selection keeps {r.keep_units} of {r.units} units")
         rows = [["inserted", "name", "role", "shape", "inputs"]]
-        for n in r.inserted:
-            rows.append(
-                [
-                    "",
-                    s(n.name, "bold"),
-                    s(n.role, _ROLE.get(n.role, "bold")),
-                    fmt_shape(n.shape),
-                    ", ".join(n.inputs),
-                ]
-            )
+        rows += [
+            [
+                "",
+                s(n.name, "bold"),
+                s(n.role, _ROLE.get(n.role, "bold")),
+                fmt_shape(n.shape),
+                ", ".join(n.inputs),
+            ]
+            for n in r.inserted
+        ]
         lines += _table(rows, "    ")
         rows = [["side inputs", "name", "dir", "shape", "treatment", "why", "block arg"]]
-        for v in r.side_inputs:
-            rows.append(
-                [
-                    "",
-                    v.name,
-                    v.direction,
-                    fmt_shape(v.shape),
-                    s(v.treatment, _TREATMENT.get(v.treatment, "bold")),
-                    v.reason,
-                    ", ".join(v.received_as) or "-",
-                ]
-            )
+        rows += [["", *side_input_cells(v, s)] for v in r.side_inputs]
         lines += _table(rows, "    ")
     return lines
 
@@ -376,13 +295,7 @@ def _blocks_section(exp: Explanation, s: Style) -> list[str]:
         if costs and (b.original is None or b.routed is None):  # inlined: counted outside
             row += ["-"] * 5
         elif costs:
-            row += [
-                fmt_flops(b.original.forward.flops),
-                fmt_flops(b.routed.forward.flops),
-                fmt_flops(b.original.flops),
-                fmt_flops(b.routed.flops),
-                f"{b.original.forward.num_ops} / {b.routed.forward.num_ops}",
-            ]
+            row += _cost_cells(b.original, b.routed)
         rows.append(row)
     if costs:
         f = exp.flops
@@ -390,20 +303,7 @@ def _blocks_section(exp: Explanation, s: Style) -> list[str]:
             ("outside blocks", f.outside_original, f.outside_routed),
             ("total", f.original, f.routed),
         ):
-            rows.append(
-                [
-                    "",
-                    s(name, "bold"),
-                    "",
-                    "",
-                    "",
-                    fmt_flops(a.forward.flops),
-                    fmt_flops(b.forward.flops),
-                    fmt_flops(a.flops),
-                    fmt_flops(b.flops),
-                    f"{a.forward.num_ops} / {b.forward.num_ops}",
-                ]
-            )
+            rows.append(["", s(name, "bold"), "", "", "", *_cost_cells(a, b)])
     return [s("Blocks (tokens entering each block; FLOPs per call)", "bold"), *_table(rows)]
 
 
