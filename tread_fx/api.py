@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from tread_fx.config import RoutingConfig, resolve_config
+from tread_fx.config import RoutingConfig, options_of, resolve_config
 from tread_fx.errors import (
     AlreadyRoutedError,
     InvalidRateError,
@@ -61,6 +61,7 @@ __all__ = [
     "routed_graphs",
     "RouteInfo",
     "check_call",
+    "split_example",
     "unwrap",
 ]
 
@@ -166,9 +167,7 @@ class _RoutingState:
                     "keep that value fixed across training calls."
                 ) from changed
             entry = self._build(model, args, kwargs, config)
-            if self._watch(model, entry):
-                key = (call_signature(spec, flat, self.modules.modes(model)), key[1])
-            self.entries[key] = entry
+            self._store(model, key, entry, (flat, spec))
             out = self._run(entry, tensors, noises)  # traced again for these inputs
         n = entry.built.num_model_outputs
         self.last_info = [
@@ -198,25 +197,34 @@ class _RoutingState:
             entry = None  # hooks came after the trace (fully_shard): trace again, calling it
         if entry is None:
             entry = _build_outside_compile(self, model, args, kwargs, config)
-            if self._watch(model, entry):  # fewer flags in the key from now on
-                key = (call_signature(spec, flat, self.modules.modes(model)), key[1])
-            self.entries[key] = entry
+            key = self._store(model, key, entry, flat_spec)
             while len(self.entries) > _MAX_TRACES:
                 self.entries.popitem(last=False)
         self.entries.move_to_end(key)
         return key, entry
 
-    def _watch(self, model: nn.Module, entry: _Entry) -> bool:
-        """Key calls on the modes of the modules this trace went through (others are called
-        by the graph and read their own mode); whether the watched set changed."""
-        gm = entry.built.gm
-        called = [n.target for n in gm.graph.nodes if n.op == "call_module"]
+    def _store(self, model: nn.Module, key: tuple, entry: _Entry, flat_spec: tuple) -> tuple:
+        """Cache ``entry``; its key (returned) is taken again when the trace went through new
+        modules: calls are keyed on the modes of those only (the graph calls the others, which
+        read their own mode), so fewer flags are in the key from now on."""
+        called = [n.target for n in entry.built.gm.graph.nodes if n.op == "call_module"]
         paths = [c[len(MODEL_PREFIX) :] for c in called if c.startswith(MODEL_PREFIX)]
-        return self.modules.watch(model, traced_through(model, paths))
+        if self.modules.watch(model, traced_through(model, paths)):
+            flat, spec = flat_spec
+            key = (call_signature(spec, flat, self.modules.modes(model)), key[1])
+        self.entries[key] = entry
+        return key
 
     def _run(self, entry: _Entry, tensors: list, noises: list) -> tuple:
+        """Run the routed graph; uncompiled, code the model compiles itself runs its original
+        Python (``tread_fx/passes/trace/compat.py``), as it was traced."""
+        args = (entry.built.traced.wrapper, *tensors, *noises)
         try:
-            out = self._call_graph(entry, tensors, noises)
+            if self.compile or torch.compiler.is_compiling():  # dynamo traces the originals
+                out = entry.fn(*args)
+            else:
+                with dynamo_wrappers_run_original():
+                    out = entry.fn(*args)
         except TreadFxError:
             raise
         except Exception as err:
@@ -234,21 +242,10 @@ class _RoutingState:
         entry.checked = True
         return out
 
-    def _call_graph(self, entry: _Entry, tensors: list, noises: list) -> tuple:
-        """Run the routed graph; uncompiled, code the model compiles itself runs its original
-        Python (``tread_fx/passes/trace/compat.py``), as it was traced."""
-        args = (entry.built.traced.wrapper, *tensors, *noises)
-        if self.compile or torch.compiler.is_compiling():  # dynamo traces the originals
-            return entry.fn(*args)
-        with dynamo_wrappers_run_original():
-            return entry.fn(*args)
-
-    def _build(
-        self, model: nn.Module, args: tuple, kwargs: dict, config: RoutingConfig | None = None
-    ) -> _Entry:
+    def _build(self, model: nn.Module, args: tuple, kwargs: dict, config: RoutingConfig) -> _Entry:
         check_call(model, args, kwargs)
         with dynamo_wrappers_run_original():  # a real call while tracing: no compile
-            built = build(model, args, kwargs, config or self.config)
+            built = build(model, args, kwargs, config)
         fn = type(built.gm).forward
         if self.compile:
             options = self.compile if isinstance(self.compile, dict) else {}
@@ -403,23 +400,10 @@ def route(
                 "first, or pass reroute=True to replace its routing."
             )
         unroute(model)
-    config = resolve_config(
-        model,
-        routes,
-        rate,
-        selection=selection,
-        blocks=blocks,
-        keep_prefix=keep_prefix,
-        strict=strict,
-        grid=grid,
-        reinsert=reinsert,
-        share_selection=share_selection,
-        fp32_reentry=fp32_reentry,
-        stream=stream,
-    )
+    config = resolve_config(model, routes, rate, **options_of(locals()))
     state = _RoutingState(config, seed, compile, _check_probability(routing_probability))
     if example_inputs is not None:
-        args, kwargs = _split_example(example_inputs)
+        args, kwargs = split_example(example_inputs)
         was_training = [m.training for m in model.modules()]
         model.train()
         state.entry_for(model, args, kwargs, state.config, pytree.tree_flatten((args, kwargs)))
@@ -442,9 +426,15 @@ def _check_probability(probability: object) -> float:
     return float(probability)
 
 
-def _split_example(example: Any) -> tuple[tuple, dict]:
+def split_example(example: Any) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` of example inputs given as ``(args, kwargs)``, ``args`` or one value.
+
+    Example:
+        >>> split_example(((1, 2), {"y": 3})), split_example([1, 2]), split_example(1)
+        (((1, 2), {'y': 3}), ((1, 2), {}), ((1,), {}))
+    """
     if isinstance(example, tuple) and len(example) == 2 and isinstance(example[1], dict):
-        return tuple(example[0]), example[1]
+        return tuple(example[0]), dict(example[1])
     return (tuple(example) if isinstance(example, (tuple, list)) else (example,)), {}
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,13 +27,26 @@ from torch import nn
 
 from tread_fx.errors import BlockStackNotFoundError, TokenStreamError
 from tread_fx.passes.locate.choice import check_stream_option
-from tread_fx.passes.locate.stream import candidate_stacks, resolve_block_lists
+from tread_fx.passes.locate.stacks import candidate_stacks, resolve_block_lists
 from tread_fx.passes.rewrite.insert import Reinsert
 from tread_fx.routes import Route, check_rate, parse_routes, resolve_routes
 from tread_fx.runtime.selection import Strategy, get_strategy
 from tread_fx.wrappers import unwrap
 
-__all__ = ["RoutingConfig", "resolve_config"]
+__all__ = ["RoutingConfig", "resolve_config", "options_of", "OPTIONS"]
+
+#: The options ``route()`` and ``explain()`` hand to :func:`resolve_config` (config fields).
+OPTIONS = (
+    "selection",
+    "blocks",
+    "keep_prefix",
+    "strict",
+    "grid",
+    "reinsert",
+    "share_selection",
+    "fp32_reentry",
+    "stream",
+)
 
 
 @dataclass
@@ -66,7 +79,7 @@ class RoutingConfig:
     keep_prefix: int | None = None
     grid: tuple[int, ...] | None = None
     strict: bool = True
-    reinsert: Reinsert = field(default_factory=Reinsert)
+    reinsert: Reinsert | None = None
     share_selection: bool | None = None
     fp32_reentry: bool = False
     stream: str | int | None = None
@@ -78,6 +91,7 @@ class RoutingConfig:
     def __post_init__(self) -> None:
         if self.strategy is None:
             self.strategy = get_strategy(self.selection)
+        self.reinsert = self.reinsert or Reinsert()
 
     def routes_for(self, depth: int) -> list[Route]:
         """The routes resolved against ``depth`` blocks (computed once per depth)."""
@@ -142,20 +156,22 @@ def _known_depth(model: nn.Module, blocks: Any, list_paths: list[str]) -> int | 
     return sum(len(model.get_submodule(p)) for p in list_paths)
 
 
+def options_of(arguments: Mapping[str, Any]) -> dict[str, Any]:
+    """The routing options (:data:`OPTIONS`) among a call's arguments.
+
+    ``route()`` and ``explain()`` take each option as a keyword of their own and hand them on
+    with ``resolve_config(model, routes, rate, **options_of(locals()))``.
+
+    Example:
+        >>> options = dict.fromkeys(OPTIONS)
+        >>> options_of({**options, "seed": 0}) == options
+        True
+    """
+    return {name: arguments[name] for name in OPTIONS}
+
+
 def resolve_config(
-    model: nn.Module,
-    routes: Any,
-    rate: float = 0.5,
-    *,
-    selection: str = "auto",
-    blocks: str | Sequence[str] | nn.Module | None = None,
-    keep_prefix: int | None = None,
-    strict: bool = True,
-    grid: tuple[int, ...] | None = None,
-    reinsert: Reinsert | None = None,
-    share_selection: bool | None = None,
-    fp32_reentry: bool = False,
-    stream: str | int | None = None,
+    model: nn.Module, routes: Any, rate: float = 0.5, **options: Any
 ) -> RoutingConfig:
     """Validate and resolve the routing arguments of ``route()``/``explain()`` for ``model``.
 
@@ -163,16 +179,9 @@ def resolve_config(
         model: The model to route (not modified).
         routes: Routes in any form :func:`tread_fx.routes.parse_routes` accepts.
         rate: Fraction of tokens routed around.
-        selection: Name of a selection strategy (``"auto"``, ``"random"``, ``"rows"``).
-        blocks: Block container path(s) or module, or ``None`` to detect.
-        keep_prefix: Leading tokens never routed (``None``: detect).
-        strict: Refuse unknown token-aligned side values.
-        grid: Patch grid (H, W) or (F, H, W) for grid-shaped selections.
-        reinsert: How routed-around tokens re-enter (default: unchanged).
-        share_selection: ``None``, ``True`` or ``False`` (see ``route()``).
-        fp32_reentry: Run the first block after each route in float32.
-        stream: Forward argument name or position holding the noisy input (``None``: data
-            flow decides).
+        **options: The other options of ``route()``, as documented there (:data:`OPTIONS`:
+            ``selection``, ``blocks``, ``keep_prefix``, ``strict``, ``grid``, ``reinsert``,
+            ``share_selection``, ``fp32_reentry``, ``stream``); unset ones take the defaults.
 
     Returns:
         The :class:`RoutingConfig`.
@@ -185,30 +194,15 @@ def resolve_config(
         TokenStreamError: ``stream=`` names no argument of the model's forward, or
             ``keep_prefix`` is not an int >= 0.
     """
-    check_stream_option(model, stream)
-    _check_keep_prefix(keep_prefix)
-    strategy = get_strategy(selection)
-    parsed = parse_routes(routes, rate)
-    list_paths = resolve_block_lists(model, blocks)
-    depth = _known_depth(model, blocks, list_paths)
-    resolved = None if depth is None else resolve_routes(parsed, depth, rate)
-    return RoutingConfig(
-        routes=parsed,
-        rate=rate,
-        selection=selection,
-        blocks=blocks,
-        keep_prefix=keep_prefix,
-        grid=grid,
-        strict=strict,
-        reinsert=reinsert or Reinsert(),
-        share_selection=share_selection,
-        fp32_reentry=fp32_reentry,
-        stream=stream,
-        strategy=strategy,
-        block_lists=list_paths,
-        depth=depth,
-        resolved=resolved,
-    )
+    check_stream_option(model, options.get("stream"))
+    _check_keep_prefix(options.get("keep_prefix"))
+    strategy = get_strategy(options.get("selection", "auto"))
+    config = RoutingConfig(parse_routes(routes, rate), rate, **options, strategy=strategy)
+    config.block_lists = resolve_block_lists(model, config.blocks)
+    config.depth = _known_depth(model, config.blocks, config.block_lists)
+    if config.depth is not None:
+        config.resolved = resolve_routes(config.routes, config.depth, rate)
+    return config
 
 
 def _check_keep_prefix(keep_prefix: object) -> None:

@@ -16,6 +16,8 @@ Example:
 
 from __future__ import annotations
 
+import re
+
 __all__ = [
     "FIRST_LINE",
     "short_first_line",
@@ -80,8 +82,8 @@ def short_first_line(message: str, limit: int = FIRST_LINE) -> str:
     trailing = _trailing_parenthesis(first)
     if 20 <= trailing <= limit:  # "path: problem (detail ...)": the detail goes below
         return f"{first[:trailing].rstrip()}\n{first[trailing:]}{newline}{rest}"
-    for marks in ((". ", "; ", ": "), (", ",), (" ",)):
-        cuts = [i for m in marks for i in _find_all(first[: limit + 1], m) if outside[i]]
+    for marks in (r"[.;:] ", ", ", " "):
+        cuts = [m.start() for m in re.finditer(marks, first[: limit + 1]) if outside[m.start()]]
         if cuts and max(cuts) >= 20:
             cut = max(cuts)
             break
@@ -103,14 +105,6 @@ def _trailing_parenthesis(text: str) -> int:
         if depth == 0:
             return i if body[i - 1 : i] == " " else -1
     return -1
-
-
-def _find_all(text: str, mark: str) -> list[int]:
-    found, start = [], text.find(mark)
-    while start >= 0:
-        found.append(start)
-        start = text.find(mark, start + 1)
-    return found
 
 
 class TreadFxError(Exception):

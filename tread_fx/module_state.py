@@ -44,14 +44,8 @@ _TRAINING = operator.attrgetter("training")
 
 
 def traced_through(model: nn.Module, called: list[str]) -> set[str]:
-    """Paths of ``model``'s modules that are not (inside) a module the graph calls.
-
-    Args:
-        model: The model.
-        called: Paths (relative to ``model``) of the modules the routed graph calls.
-
-    Returns:
-        The paths whose code the trace went through (``""`` is the model itself).
+    """Paths of ``model``'s modules that are not (inside) one of the ``called`` modules: those
+    whose code the trace went through (``""`` is the model itself).
 
     Example:
         >>> from torch import nn
@@ -86,11 +80,8 @@ class ModuleModes:
         return changed
 
     def watch(self, model: nn.Module, paths: set[str]) -> bool:
-        """Watch the modules at ``paths`` too (a new trace went through them).
-
-        Returns:
-            Whether the watched set changed (keys computed before are stale).
-        """
+        """Watch the modules at ``paths`` too (a new trace went through them); whether the
+        watched set changed (keys computed before are stale)."""
         merged = paths if self._paths is None else self._paths | paths
         if merged == self._paths:
             return False
@@ -146,11 +137,6 @@ def check_call(model: nn.Module, args: tuple, kwargs: dict) -> None:
 
     A missing or unexpected argument is the caller's mistake, not the tracer's: it is reported
     exactly as ``type(model).forward`` reports it, before anything is traced.
-
-    Args:
-        model: The (unwrapped) model.
-        args: Positional arguments of the call (without ``self``).
-        kwargs: Keyword arguments of the call.
 
     Raises:
         TypeError: The arguments do not bind to ``type(model).forward``.

@@ -35,11 +35,11 @@ from tread_fx.errors import (
     ThinRouteWarning,
     TokenStreamError,
 )
-from tread_fx.passes.locate.choice import choose_stream
+from tread_fx.passes.locate.choice import choose_stream, thin_stack
+from tread_fx.passes.locate.dims import GRID_ROWS, is_token_major
 from tread_fx.passes.locate.layout import check_no_token_tables_inside, grid_in_block_arguments
-from tread_fx.passes.locate.stream import StreamInfo, block_leaf_paths, resolve_block_lists
-from tread_fx.passes.locate.thin_routes import thin_stack
-from tread_fx.passes.locate.token_major import GRID_ROWS, is_token_major
+from tread_fx.passes.locate.stacks import block_leaf_paths, resolve_block_lists
+from tread_fx.passes.locate.stream import StreamInfo
 from tread_fx.passes.plan.forms import cut_at_route_ends, form_changes, locate_tokens, needs_split
 from tread_fx.passes.plan.inline_tables import InlineBlock, find_token_tables, inline_token_tables
 from tread_fx.passes.plan.route_plan import Crossing, RoutePlan, graph_to_networkx, plan_route
@@ -131,24 +131,25 @@ def _first_piece(route: Route, changes: list | None) -> Route:
     return Route(route.start, changes[0].index, route.rate) if changes else route
 
 
-def _plan_split(gm, info, route: Route, index: int, changes: list, build_args) -> RoutePlan:
-    """Plan and rewrite a route in pieces at its form changes; returns the first piece's
-    plan (reporting the whole route), the later pieces in its ``pieces``."""
-    strategy, grid, config, embedded, owner = build_args
+def _plan_split(traced, info, config, index: int, route: Route, changes: list, how) -> tuple:
+    """Plan and rewrite a route in pieces at its form changes: ``(plan, kept ids node)``, the
+    plan of the first piece reporting the whole route, the later pieces in its ``pieces``."""
+    strategy, grid = how
     if config.reinsert.mode != "scatter":
         raise TokenStreamError(
             f"route ({route.start}, {route.end}) crosses a change of the token stream's form "
             f"(before block {changes[0].index}), which only reinsert='scatter' supports; end "
             "the route before it, or use the default reinsert."
         )
-    bounds = [route.start, *(c.index for c in changes), route.end]
-    first = plan_route(gm, info, _first_piece(route, changes), index, strategy, grid, config.strict)
+    gm, embedded, strict = traced.gm, info.blocks[0].stream_in, config.strict
+    first = plan_route(gm, info, _first_piece(route, changes), index, strategy, grid, strict)
     _apply_share_selection(first, config.share_selection)
     kept = rewrite_route(gm, first, strategy, config.reinsert, embedded)
+    bounds = [route.start, *(c.index for c in changes), route.end]
     for change, start, end in zip(changes, bounds[1:], bounds[2:]):
         piece = Route(start, end, route.rate)
-        plan = plan_route(gm, info, piece, index, strategy, None, config.strict, first, change)
-        rewrite_route(gm, plan, strategy, config.reinsert, embedded, kept, owner)
+        plan = plan_route(gm, info, piece, index, strategy, None, strict, first, change)
+        rewrite_route(gm, plan, strategy, config.reinsert, embedded, kept, traced.wrapper)
         first.pieces.append(plan)
     first.route = route
     return first, kept
@@ -189,34 +190,33 @@ def _apply_share_selection(plan: RoutePlan, share: bool | None) -> None:
     plan.shared_selection = share
 
 
-def _token_tables(traced, info: StreamInfo, plan: RoutePlan, share: bool | None) -> list:
-    """Routed blocks that build token tables inside (traced through, see
-    ``tread_fx/passes/plan/inline_tables.py``); their route's selection is shared across the
-    batch."""
+def _share_where_needed(traced, info: StreamInfo, plan: RoutePlan, share: bool | None) -> list:
+    """Keep one token subset for the whole batch where the route needs it (refused when
+    ``share_selection=False`` was asked for): where routed blocks build token tables inside
+    (traced through, see ``tread_fx/passes/plan/inline_tables.py``; these blocks are returned),
+    and where the stream folds frames or positions into its batch dim (blocks that mix the
+    folded sequences then see the same tokens in every row)."""
     route = plan.route
     found, known = find_token_tables(traced.gm, info.blocks[route.start : route.end], plan.layout)
     check_no_token_tables_inside(traced.gm, info, route, known)
-    if found:
-        _require_shared(
-            plan,
-            share,
-            SideInputError(
-                f"route ({route.start}, {route.end}) runs blocks that build token tables "
-                f"inside ({found[0].describe()}); the tables have no batch dim, so they can "
-                "follow the kept tokens only if every sample keeps the same ones, but "
-                "share_selection=False was asked for. Pass share_selection=None (the "
-                "default), or choose a route without these blocks."
-            ),
+    if found and share is False:
+        raise SideInputError(
+            f"route ({route.start}, {route.end}) runs blocks that build token tables "
+            f"inside ({found[0].describe()}); the tables have no batch dim, so they can "
+            "follow the kept tokens only if every sample keeps the same ones, but "
+            "share_selection=False was asked for. Pass share_selection=None (the "
+            "default), or choose a route without these blocks."
         )
+    if info.folded != 1 and share is False:
+        raise SelectionError(
+            f"route ({route.start}, {route.end}) routes a stream whose dim 0 folds "
+            f"{info.folded} sequences (frames or positions) of each sample into the batch "
+            f"({info.batch_size} rows), which must all keep the same tokens, but "
+            "share_selection=False was asked for. Pass share_selection=None (the default)."
+        )
+    if found or info.folded != 1:
+        plan.shared_selection = True
     return found
-
-
-def _require_shared(plan: RoutePlan, share: bool | None, refusal: Exception) -> None:
-    """The route must keep one subset for the whole batch: share it, or raise ``refusal``
-    when ``share_selection=False`` was asked for."""
-    if share is False:
-        raise refusal
-    plan.shared_selection = True
 
 
 def _inline(traced, plan: RoutePlan, idx, found: list[InlineBlock]) -> None:
@@ -231,21 +231,6 @@ def _inline(traced, plan: RoutePlan, idx, found: list[InlineBlock]) -> None:
             plan.entering.append(Crossing(node, take_rows, reason, list(node.users)))
 
 
-def _share_across_folded_rows(plan: RoutePlan, info: StreamInfo, share: bool | None) -> None:
-    """A stream with frames or positions folded into its batch dim keeps the same tokens in
-    every row: blocks that mix the folded sequences then see consistent ones."""
-    if info.folded == 1:
-        return
-    route = plan.route
-    refusal = SelectionError(
-        f"route ({route.start}, {route.end}) routes a stream whose dim 0 folds "
-        f"{info.folded} sequences (frames or positions) of each sample into the batch "
-        f"({info.batch_size} rows), which must all keep the same tokens, but "
-        "share_selection=False was asked for. Pass share_selection=None (the default)."
-    )
-    _require_shared(plan, share, refusal)
-
-
 def _focus_on(focus: dict, info: StreamInfo, route: Route) -> None:
     """Name the route and its first block as what the stage works on (for internal errors)."""
     block = info.blocks[route.start]
@@ -253,21 +238,20 @@ def _focus_on(focus: dict, info: StreamInfo, route: Route) -> None:
     focus.update(block=block.path, module=module, route=(route.start, route.end))
 
 
-def _plan_and_rewrite(traced, info, config, indexed, changes, how) -> tuple:
-    """Plan one route and rewrite the graph for it: ``(plan, kept ids node, inlined)``."""
-    (i, route), (strategy, grid, embedded, focus) = indexed, how
+def _plan_and_rewrite(traced, info, config, index: int, route: Route, changes, how, focus):
+    """Plan one route and rewrite the graph for it: ``(plan, kept ids node, inlined)``;
+    ``how`` is ``(strategy, grid)``."""
+    _focus_on(focus, info, route)
     if changes is not None:
-        build_args = (strategy, grid, config, embedded, traced.wrapper)
         with stage("planning and rewriting", lambda: focus):
-            plan, kept = _plan_split(traced.gm, info, route, i, changes, build_args)
-        return plan, kept, []
+            return (*_plan_split(traced, info, config, index, route, changes, how), [])
+    (strategy, grid), share = how, config.share_selection
     with stage("planning", lambda: focus):
-        plan = plan_route(traced.gm, info, route, i, strategy, grid, config.strict)
-        _apply_share_selection(plan, config.share_selection)
-        found = _token_tables(traced, info, plan, config.share_selection)
-        _share_across_folded_rows(plan, info, config.share_selection)
+        plan = plan_route(traced.gm, info, route, index, strategy, grid, config.strict)
+        _apply_share_selection(plan, share)
+        found = _share_where_needed(traced, info, plan, share)
     with stage("rewriting", lambda: focus):
-        kept = rewrite_route(traced.gm, plan, strategy, config.reinsert, embedded)
+        kept = rewrite_route(traced.gm, plan, strategy, config.reinsert, info.blocks[0].stream_in)
     if config.fp32_reentry and plan.end_block is not None:
         plan.end_block.node.meta["tread_fp32"] = True
     return plan, kept, found
@@ -295,9 +279,7 @@ def build(model: nn.Module, args: tuple, kwargs: dict, config: RoutingConfig) ->
 
 def _build(model: nn.Module, args: tuple, kwargs: dict, config: RoutingConfig) -> Built:
     focus: dict = {"model": model}
-    list_paths = config.block_lists
-    if list_paths is None:
-        list_paths = resolve_block_lists(model, config.blocks)
+    list_paths = config.block_lists or resolve_block_lists(model, config.blocks)
     with stage("tracing", lambda: focus):
         traced = trace_call(model, args, kwargs, block_leaf_paths(model, list_paths))
     with stage("locating", lambda: focus):
@@ -316,20 +298,14 @@ def _build(model: nn.Module, args: tuple, kwargs: dict, config: RoutingConfig) -
         else:
             grid = _grid_for(model, config, info)
             strategy = _resolve_auto(traced, info, routes, config, grid, splits, focus)
-    embedded = info.blocks[0].stream_in
-    plans, idx_nodes, inlined = [], [], []
-    for i, route in enumerate(routes):
-        _focus_on(focus, info, route)
-        plan, kept, found = _plan_and_rewrite(
-            traced, info, config, (i, route), splits.get(i), (strategy, grid, embedded, focus)
-        )
-        plans.append(plan)
-        idx_nodes.append(kept)
-        inlined.append(found)
+    done = [
+        _plan_and_rewrite(traced, info, config, i, route, splits.get(i), (strategy, grid), focus)
+        for i, route in enumerate(routes)
+    ]
     focus.pop("route", None)
     with stage("rewriting", lambda: focus):
-        for plan, idx, found in zip(plans, idx_nodes, inlined):
-            _inline(traced, plan, idx, found)
+        for plan, kept, found in done:
+            _inline(traced, plan, kept, found)
         drop_examples(traced.gm)
-        num_outputs = append_route_outputs(traced.gm, idx_nodes)
-    return Built(traced, info, routes, plans, num_outputs, strategy.name)
+        num_outputs = append_route_outputs(traced.gm, [kept for _, kept, _ in done])
+    return Built(traced, info, routes, [plan for plan, _, _ in done], num_outputs, strategy.name)

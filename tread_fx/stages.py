@@ -61,11 +61,15 @@ def raised_by_tread_fx(err: BaseException) -> bool:
     """Whether ``err`` was raised by tread_fx's own code (not the model's, not on purpose)."""
     if isinstance(err, TreadFxError) or getattr(err, "tread_model_error", False):
         return False
+    frame = next(_frames(err), None)
+    return frame is not None and own_file(frame.filename)
+
+
+def _frames(err: BaseException) -> Iterator[traceback.FrameSummary]:
+    """The frames of ``err``'s traceback outside torch and the standard library, innermost first."""
     for frame in reversed(traceback.extract_tb(err.__traceback__)):
-        if os.path.abspath(frame.filename).startswith(_NEUTRAL):
-            continue
-        return own_file(frame.filename)
-    return False
+        if not os.path.abspath(frame.filename).startswith(_NEUTRAL):
+            yield frame
 
 
 def source_line(obj: Any) -> str:
@@ -80,11 +84,8 @@ def source_line(obj: Any) -> str:
 
 def _model_frame(err: BaseException) -> str:
     """The innermost frame of the model's code (outside torch, stdlib, tread_fx), if any."""
-    for frame in reversed(traceback.extract_tb(err.__traceback__)):
-        path = os.path.abspath(frame.filename)
-        if not path.startswith(_NEUTRAL) and not own_file(path):
-            return f"{frame.filename}:{frame.lineno}"
-    return ""
+    frame = next((f for f in _frames(err) if not own_file(f.filename)), None)
+    return f"{frame.filename}:{frame.lineno}" if frame else ""
 
 
 @contextlib.contextmanager

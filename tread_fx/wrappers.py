@@ -29,11 +29,11 @@ __all__ = [
     "remove_compile_preparation",
 ]
 
-_WRAPPER_ATTRIBUTES = {
-    "DistributedDataParallel": "module",
-    "DataParallel": "module",
-    "FullyShardedDataParallel": "module",
-    "OptimizedModule": "_orig_mod",
+_WRAPPERS = {  # class name: (the attribute holding the model, what to pass route() instead)
+    "DistributedDataParallel": ("module", "model.module"),
+    "DataParallel": ("module", "model.module"),
+    "FullyShardedDataParallel": ("module", "the unwrapped module"),
+    "OptimizedModule": ("_orig_mod", "model._orig_mod"),
 }
 
 
@@ -46,13 +46,12 @@ def unwrap(model: Any) -> Any:
         >>> unwrap(torch.nn.DataParallel(model)) is model
         True
     """
-    seen = 0
-    while seen < 16:
-        attribute = _WRAPPER_ATTRIBUTES.get(type(model).__name__)
-        inner = getattr(model, attribute, None) if attribute else None
+    for _ in range(16):
+        wrapper = _WRAPPERS.get(type(model).__name__)
+        inner = getattr(model, wrapper[0], None) if wrapper else None
         if not isinstance(inner, nn.Module):
             return model
-        model, seen = inner, seen + 1
+        model = inner
     return model
 
 
@@ -66,17 +65,11 @@ def check_unwrapped(model: Any) -> None:
         raise WrappedModelError(
             f"route() expects an nn.Module, got {type(model).__name__}; pass the model itself."
         )
-    wrappers = {
-        "DistributedDataParallel": "model.module",
-        "DataParallel": "model.module",
-        "FullyShardedDataParallel": "the unwrapped module",
-        "OptimizedModule": "model._orig_mod",
-    }
     name = type(model).__name__
-    if name in wrappers:
+    if name in _WRAPPERS:
         raise WrappedModelError(
             f"route() was given a {name} wrapper; route the model first, then wrap it "
-            f"(route -> DDP/FSDP/torch.compile). To route this one, pass {wrappers[name]}."
+            f"(route -> DDP/FSDP/torch.compile). To route this one, pass {_WRAPPERS[name][1]}."
         )
     sharded = _fully_sharded(model)
     if sharded is not None:
