@@ -131,17 +131,17 @@ def stream_mismatch(pristine: nn.Module, routed: nn.Module, call: tuple, noisy: 
     """
     built = tread_fx.routed_graphs(routed)[-1]
     info = built.info
-    if info.batch_dim == -1:
+    if info.layout.batch_dim == -1:
         return ""  # packed streams: the selectable positions are per segment (not compared)
     first = info.blocks[0]
     name = resolve_noisy(pristine, noisy, *call)
     if name is None:
         raise RuntimeError(f"the call passes no noisy input {noisy!r}")
     reached = noisy_positions(
-        copy.deepcopy(pristine), first.path, first.in_slot, info.token_dim, call, name
+        copy.deepcopy(pristine), first.path, first.in_slot, info.layout.token_dim, call, name
     )
-    n = info.num_tokens
-    selectable = [info.prefix <= i < n - info.suffix for i in range(n)]
+    n = info.layout.num_tokens
+    selectable = [info.layout.prefix <= i < n - info.layout.suffix for i in range(n)]
     if reached == selectable:
         return ""
     return (

@@ -28,7 +28,7 @@ from torch import nn
 
 import tread_fx
 from tread_fx.adapters import SideValue, StreamLayout, TensorMeta, adapters
-from tread_fx.adapters.folded_rows import gather_folded_rows, rows_per_token, why_not_folded
+from tread_fx.adapters.token_tables import gather_folded_rows, rows_per_token, why_not_folded
 
 B, FRAMES, N, C = 2, 3, 16, 32
 

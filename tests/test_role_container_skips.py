@@ -5,7 +5,7 @@ its attention (U-ViT written as role triples, as in vit-pytorch's SimpleUViT). T
 boundary is the first call into each member, here ``skip_proj`` on the concatenation, but
 the stream the member before hands on is the value the concatenation starts from: a route
 gathers skips made before it, keeps skips made inside it at the kept tokens and scatters
-those that cross its end (``tread_fx/passes/locate/member_entry.py``)."""
+those that cross its end (``tread_fx/passes/locate/stream.py``, ``layout.py``)."""
 
 from __future__ import annotations
 

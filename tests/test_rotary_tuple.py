@@ -8,7 +8,7 @@ the stream's shape), rearranges it with einops and rotates q and k with it. The 
 the norm, stands for the block), so the table enters the routed region at the attention, a
 module call that is no block of the stack (``tread_fx/passes/plan/region_uses.py``); the attention's
 ``default(context, x)`` helper asks ``callable(x)`` of a traced tensor
-(``tread_fx/passes/trace/compat.py``). The table's use decides: rotated with q/k along the token
+(``tread_fx/passes/trace/support.py``). The table's use decides: rotated with q/k along the token
 dim,
 it is gathered at the kept tokens; routing equals a hand-written routed forward.
 """

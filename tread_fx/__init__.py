@@ -30,45 +30,35 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
 
 # Everything else loads on first use (PEP 562), so ``import tread_fx`` (and ``tread-fx --help``)
 # does not import torch until a name that needs it is touched.
-_LAZY = {  # name -> (module, attribute or None for the module itself)
-    "adapters": ("tread_fx.adapters", None),
-    "models": ("tread_fx.models", None),
-    "passes": ("tread_fx.passes", None),
-    "routes": ("tread_fx.routes", None),
-    "register_adapter": ("tread_fx.adapters", "register_adapter"),
-    "RouteInfo": ("tread_fx.api", "RouteInfo"),
-    "is_routed": ("tread_fx.api", "is_routed"),
-    "route": ("tread_fx.api", "route"),
-    "route_info": ("tread_fx.api", "route_info"),
-    "routed_graphs": ("tread_fx.api", "routed_graphs"),
-    "unroute": ("tread_fx.api", "unroute"),
-    "RoutingConfig": ("tread_fx.config", "RoutingConfig"),
-    "resolve_config": ("tread_fx.config", "resolve_config"),
-    "explain": ("tread_fx.inspection.explain", "explain"),
-    "Reinsert": ("tread_fx.passes.rewrite.insert", "Reinsert"),
-    "register_leaf_function": ("tread_fx.registry", "register_leaf_function"),
-    "register_leaf_module": ("tread_fx.registry", "register_leaf_module"),
-    "Route": ("tread_fx.routes", "Route"),
-    "force_routing": ("tread_fx.training", "force_routing"),
-    "losses": ("tread_fx.training", "losses"),
-    "sparse_guidance": ("tread_fx.training", "sparse_guidance"),
+_LAZY = {  # module -> the public names it defines (the package itself: its sub-packages)
+    "tread_fx": ("adapters", "models", "passes", "routes"),
+    "tread_fx.adapters": ("register_adapter",),
+    "tread_fx.api": ("RouteInfo", "is_routed", "route", "route_info", "routed_graphs", "unroute"),
+    "tread_fx.config": ("RoutingConfig", "resolve_config"),
+    "tread_fx.inspection.explain": ("explain",),
+    "tread_fx.passes.rewrite.insert": ("Reinsert",),
+    "tread_fx.registry": ("register_leaf_function", "register_leaf_module"),
+    "tread_fx.routes": ("Route",),
+    "tread_fx.training": ("force_routing", "losses", "sparse_guidance"),
 }
+_MODULE_OF = {name: module for module, names in _LAZY.items() for name in names}
 
 
 def __getattr__(name: str) -> Any:
     """Imports a public name on first use and keeps it (``tread_fx.route``, ...)."""
-    if name not in _LAZY:
+    if name not in _MODULE_OF:
         raise AttributeError(f"module 'tread_fx' has no attribute {name!r}")
-    module, attribute = _LAZY[name]
-    value = importlib.import_module(module)
-    if attribute is not None:
-        value = getattr(value, attribute)
+    module = _MODULE_OF[name]
+    if module == __name__:  # a sub-package
+        value = importlib.import_module(f"{__name__}.{name}")
+    else:
+        value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(set(globals()) | set(_MODULE_OF))
 
 
 __all__ = [

@@ -1,22 +1,11 @@
 """``route()`` / ``unroute()``: TREAD token routing, in place, for training only.
 
-Example:
-    >>> import torch, tread_fx
-    >>> model = tread_fx.models.DiT_S_2(input_size=8, in_channels=1, num_classes=10, depth=4)
-    >>> _ = tread_fx.route(model, routes=[(1, 3)], rate=0.5, seed=0)
-    >>> x, t, y = torch.randn(2, 1, 8, 8), torch.rand(2), torch.tensor([3, 4])
-    >>> model.train()(x, t, y).shape                  # routed graph
-    torch.Size([2, 2, 8, 8])
-    >>> tread_fx.route_info(model)[0].kept.shape      # 16 tokens, 8 kept
-    torch.Size([2, 8])
-    >>> _ = model.eval()(x, t, y)                     # the original forward
-    >>> tread_fx.unroute(model) is model
-    True
+A routed model runs its routed graph in training mode and its original forward in eval mode;
+:func:`route_info` tells what the last routed call kept.
 """
 
 from __future__ import annotations
 
-import functools
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -34,24 +23,24 @@ from tread_fx.errors import (
     RoutedGraphError,
     TreadFxError,
 )
-from tread_fx.module_state import ModuleModes, call_signature, check_call, traced_through
+from tread_fx.module_state import (
+    WRAPPER_ATTRIBUTES,
+    ModuleModes,
+    call_signature,
+    check_call,
+    check_unwrapped,
+    traced_through,
+    unwrap,
+    wrapper_attributes,
+)
 from tread_fx.passes.rewrite.insert import Reinsert
-from tread_fx.passes.trace.compat import dynamo_wrappers_run_original
-from tread_fx.passes.trace.support import has_call_hooks
+from tread_fx.passes.trace.support import dynamo_wrappers_run_original, has_call_hooks
 from tread_fx.passes.trace.tracer import MODEL_PREFIX
 from tread_fx.pipeline import Built, build
 from tread_fx.routes import Route
 from tread_fx.runtime.guards import GUARD_MARK
 from tread_fx.runtime.noise import NoiseSource
 from tread_fx.runtime.ops import routed_mask
-from tread_fx.wrappers import (
-    REPLICATE,
-    check_unwrapped,
-    install_compile_preparation,
-    refuse_replica,
-    remove_compile_preparation,
-    unwrap,
-)
 
 __all__ = [
     "route",
@@ -106,22 +95,18 @@ class _Entry:
     checked: bool = False
 
 
+@dataclass(eq=False, repr=False)
 class _RoutingState:
     """Per-model routing state, kept in ``model.__dict__`` (not a submodule or buffer)."""
 
-    def __init__(
-        self,
-        config: RoutingConfig,
-        seed: int | None,
-        compile: bool | dict,
-        routing_probability: float = 1.0,
-    ) -> None:
-        self.config = config
-        self.seed = seed
-        self.compile = compile
-        self.routing_probability = routing_probability
-        self.forced: RoutingConfig | None = None
-        self.noise = NoiseSource(seed)
+    config: RoutingConfig
+    seed: int | None
+    compile: bool | dict
+    routing_probability: float = 1.0
+    forced: RoutingConfig | None = None
+
+    def __post_init__(self) -> None:
+        self.noise = NoiseSource(self.seed)
         self._clear_cache()
 
     def _clear_cache(self) -> None:
@@ -142,8 +127,7 @@ class _RoutingState:
     def _route_this_step(self) -> bool:
         if self.routing_probability >= 1.0:
             return True
-        drawn = self.noise.draw([()], torch.device("cpu"))[0]
-        return float(drawn) < self.routing_probability
+        return float(self.noise.draw([()], torch.device("cpu"))[0]) < self.routing_probability
 
     # -- calls ------------------------------------------------------------------------------
     def call(self, model: nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -196,7 +180,7 @@ class _RoutingState:
         if entry is not None and hooks_added and any(has_call_hooks(m) for m in entry.inlined):
             entry = None  # hooks came after the trace (fully_shard): trace again, calling it
         if entry is None:
-            entry = _build_outside_compile(self, model, args, kwargs, config)
+            entry = self._build(model, args, kwargs, config)
             key = self._store(model, key, entry, flat_spec)
             while len(self.entries) > _MAX_TRACES:
                 self.entries.popitem(last=False)
@@ -242,6 +226,11 @@ class _RoutingState:
         entry.checked = True
         return out
 
+    @torch.compiler.disable(
+        reason="tread_fx traces the model for a call signature it has not seen; under "
+        "torch.compile(fullgraph=True) run one training call before compiling (or pass "
+        "route(..., example_inputs=...)) for every input signature, e.g. a smaller last batch"
+    )
     def _build(self, model: nn.Module, args: tuple, kwargs: dict, config: RoutingConfig) -> _Entry:
         check_call(model, args, kwargs)
         with dynamo_wrappers_run_original():  # a real call while tracing: no compile
@@ -271,22 +260,11 @@ class _TracedValueChanged(Exception):
     """A runtime guard of the routed graph failed: re-trace (eager) or refuse (compiled)."""
 
 
-@torch.compiler.disable(
-    reason="tread_fx traces the model for a call signature it has not seen; under "
-    "torch.compile(fullgraph=True) run one training call before compiling (or pass "
-    "route(..., example_inputs=...)) for every input signature, e.g. a smaller last batch"
-)
-def _build_outside_compile(
-    state: _RoutingState, model: nn.Module, args: tuple, kwargs: dict, config: RoutingConfig
-) -> _Entry:
-    return state._build(model, args, kwargs, config)
-
-
 def _prepare_for_compile(model: nn.Module, args: tuple, kwargs: dict | None = None) -> None:
     """Build the routed graph of a compiled call's signature eagerly, before dynamo traces it.
 
     ``torch.compile(model)`` calls this with the call's real inputs (see
-    :func:`~tread_fx.wrappers.install_compile_preparation`), so ``fullgraph=True`` works from
+    :func:`~tread_fx.module_state.wrapper_attributes`), so ``fullgraph=True`` works from
     the first call and for every new signature (a smaller last batch).
     """
     state = model.__dict__[_STATE]
@@ -377,11 +355,9 @@ def route(
             (the authors' stability measure under bf16).
         routing_probability: Route on this fraction of training steps (drawn per call from
             the selection generator); the other steps run the original forward.
-        stream: The forward argument whose tokens are routed: its name (``"x"``) or its
-            position (``0``). ``None`` (default): data flow decides (the input whose tokens
-            reach the prediction, see docs/design.md "Which stream is routed"); when it
-            cannot, a documented rule picks and a ``StreamChoiceWarning`` names the
-            candidates and this option. A name the forward lacks raises ``TokenStreamError``.
+        stream: The forward argument whose tokens are routed, by name (``"x"``, else
+            ``TokenStreamError``) or position. ``None`` (default): data flow decides, else a
+            rule that warns (``StreamChoiceWarning``); docs/design.md "Which stream is routed".
 
     Returns:
         ``model`` itself.
@@ -411,8 +387,7 @@ def route(
             m.training = mode
     model.__dict__[_STATE] = state
     model.__dict__["forward"] = RoutedForward(model)
-    model.__dict__[REPLICATE] = functools.partial(refuse_replica, model)
-    install_compile_preparation(model, _prepare_for_compile)
+    model.__dict__.update(wrapper_attributes(model, _prepare_for_compile))
     return model
 
 
@@ -467,22 +442,23 @@ def unroute(model: nn.Module) -> nn.Module:
     """
     _state(model, "unroute")
     inner = unwrap(model)
-    del inner.__dict__[_STATE]
-    inner.__dict__.pop("forward", None)
-    inner.__dict__.pop(REPLICATE, None)
-    remove_compile_preparation(inner)
+    for name in (_STATE, "forward", *WRAPPER_ATTRIBUTES):
+        inner.__dict__.pop(name, None)
     return model
 
 
 def route_info(model: nn.Module) -> list[RouteInfo] | None:
     """Per-route info of the last routed training call (``None`` before the first).
 
-    ``model`` may be the routed model or a DDP / DataParallel / FSDP / ``torch.compile``
-    wrapper around it (the wrapper is looked through).
+    Wrappers (DDP, DataParallel, FSDP, ``torch.compile``) are looked through.
 
     Example:
-        >>> import tread_fx
-        >>> tread_fx.route_info(tread_fx.route(tread_fx.models.DiT_S_2(depth=4), [(1, 3)]))
+        >>> import torch, tread_fx
+        >>> model = tread_fx.models.DiT_S_2(input_size=8, in_channels=1, num_classes=10, depth=4)
+        >>> x, t, y = torch.randn(2, 1, 8, 8), torch.rand(2), torch.tensor([3, 4])
+        >>> _ = tread_fx.route(model, routes=[(1, 3)], rate=0.5).train()(x, t, y)
+        >>> tread_fx.route_info(model)[0].kept.shape      # 16 tokens, 8 kept
+        torch.Size([2, 8])
     """
     return _state(model, "route_info").last_info
 

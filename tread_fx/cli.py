@@ -35,7 +35,6 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--routes",
             action="append",
-            default=None,
             metavar="START:END[:RATE]",
             help="route(s), comma-separated or repeated (default 2:-4)",
         )
@@ -50,7 +49,6 @@ def build_parser() -> argparse.ArgumentParser:
             "--model-kwargs",
             "--kwargs",
             dest="model_kwargs",
-            default=None,
             metavar="JSON",
             help="constructor kwargs of the factory, JSON",
         )
@@ -58,7 +56,6 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--format", choices=FORMATS, default="text")
         p.add_argument(
             "--out",
-            default=None,
             metavar="PATH",
             help="write here, not stdout (folders are created; runs/ is git-ignored)",
         )

@@ -25,13 +25,13 @@ from typing import Any
 
 from torch import nn
 
-from tread_fx.errors import BlockStackNotFoundError, TokenStreamError
+from tread_fx.errors import BlockStackNotFoundError, TokenStreamError, shown
+from tread_fx.module_state import unwrap
 from tread_fx.passes.locate.choice import check_stream_option
 from tread_fx.passes.locate.stacks import candidate_stacks, resolve_block_lists
 from tread_fx.passes.rewrite.insert import Reinsert
 from tread_fx.routes import Route, check_rate, parse_routes, resolve_routes
 from tread_fx.runtime.selection import Strategy, get_strategy
-from tread_fx.wrappers import unwrap
 
 __all__ = ["RoutingConfig", "resolve_config", "options_of", "OPTIONS"]
 
@@ -56,16 +56,8 @@ class RoutingConfig:
     Attributes:
         routes: The parsed routes (negative indices not yet resolved).
         rate: Default fraction of tokens routed around.
-        selection: Name of the selection strategy.
-        blocks: The user's ``blocks=`` (``None``: detected).
-        keep_prefix: Leading tokens never routed (``None``: detected).
-        grid: Patch grid (H, W) or (F, H, W) given by the user.
-        strict: Refuse unknown token-aligned side values.
-        reinsert: How routed-around tokens re-enter.
-        share_selection: Batch-shared selection: ``None`` where needed, or always/never.
-        fp32_reentry: Run the first block after each route in float32.
-        stream: The forward argument (name or position) whose stream is routed (``None``:
-            chosen by data flow, see ``tread_fx/passes/locate/choice.py``).
+        selection, blocks, keep_prefix, grid, strict, reinsert, share_selection,
+            fp32_reentry, stream: ``route()``'s arguments of these names (:data:`OPTIONS`).
         strategy: The selection strategy named by ``selection``.
         block_lists: Paths of the candidate block containers (data flow picks among several).
         depth: Number of blocks when known without tracing, else ``None``.
@@ -146,7 +138,7 @@ def _known_depth(model: nn.Module, blocks: Any, list_paths: list[str]) -> int | 
         if not any(_takes_input(m) for s in stacks.values() for m in s):
             raise BlockStackNotFoundError(
                 f"{type(model).__name__} has no list of blocks that take an input: the members "
-                f"of {', '.join(p or 'the model itself' for p in stacks)} take no argument "
+                f"of {', '.join(map(shown, stacks))} take no argument "
                 "(or have no forward), so no token stream can pass through them. Pass "
                 "blocks='<attribute path>' naming the block container."
             )
@@ -179,9 +171,8 @@ def resolve_config(
         model: The model to route (not modified).
         routes: Routes in any form :func:`tread_fx.routes.parse_routes` accepts.
         rate: Fraction of tokens routed around.
-        **options: The other options of ``route()``, as documented there (:data:`OPTIONS`:
-            ``selection``, ``blocks``, ``keep_prefix``, ``strict``, ``grid``, ``reinsert``,
-            ``share_selection``, ``fp32_reentry``, ``stream``); unset ones take the defaults.
+        **options: The other options of ``route()`` (:data:`OPTIONS`), as documented there;
+            unset ones take the defaults.
 
     Returns:
         The :class:`RoutingConfig`.

@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 import re
 
 __all__ = [
@@ -75,23 +76,19 @@ def short_first_line(message: str, limit: int = FIRST_LINE) -> str:
     first, newline, rest = message.partition("\n")
     if len(first) <= limit:
         return message
-    outside, depth = [], 0  # positions outside brackets: a break never splits a shape or list
-    for char in first[: limit + 1]:
-        depth += (char in "([{") - (char in ")]}")
-        outside.append(depth <= 0)
     trailing = _trailing_parenthesis(first)
     if 20 <= trailing <= limit:  # "path: problem (detail ...)": the detail goes below
         return f"{first[:trailing].rstrip()}\n{first[trailing:]}{newline}{rest}"
+    depths = itertools.accumulate((c in "([{") - (c in ")]}") for c in first[: limit + 1])
+    outside = [depth <= 0 for depth in depths]  # a break never splits a shape or list
     for marks in (r"[.;:] ", ", ", " "):
         cuts = [m.start() for m in re.finditer(marks, first[: limit + 1]) if outside[m.start()]]
         if cuts and max(cuts) >= 20:
-            cut = max(cuts)
+            cut = max(cuts) + 1  # keep the mark on the first line, drop the space
             break
     else:
-        cut = limit - 1
-    cut += 1  # keep the mark on the first line, drop the space
-    details = first[cut:].lstrip()
-    return f"{first[:cut].rstrip()}\n{details}{newline}{rest}"
+        cut = limit
+    return f"{first[:cut].rstrip()}\n{first[cut:].lstrip()}{newline}{rest}"
 
 
 def _trailing_parenthesis(text: str) -> int:

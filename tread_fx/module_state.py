@@ -1,4 +1,8 @@
-"""What of a model's module tree a routed call checks, at a cost independent of its size.
+"""The model around its routed graph: the wrappers it sits in, and what of its module tree
+a routed call checks, at a cost independent of its size.
+
+``route()`` must see the plain model (route first, then wrap); :func:`unwrap` finds it inside
+any nesting of DDP / DataParallel / FSDP / ``torch.compile`` wrappers.
 
 A routed graph bakes in the ``training`` flag of every module whose code it holds inlined
 (``if self.training:`` in the model's own forward); modules it *calls* (the blocks, every
@@ -24,8 +28,10 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import inspect
 import operator
+import sys
 from typing import Any
 
 import torch
@@ -33,12 +39,132 @@ from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
+from tread_fx.errors import WrappedModelError
+
 __all__ = [
+    "unwrap",
+    "check_unwrapped",
+    "refuse_replica",
+    "REPLICATE",
+    "WRAPPER_ATTRIBUTES",
+    "wrapper_attributes",
     "check_call",
     "ModuleModes",
     "traced_through",
     "call_signature",
 ]
+
+_WRAPPERS = {  # class name: (the attribute holding the model, what to pass route() instead)
+    "DistributedDataParallel": ("module", "model.module"),
+    "DataParallel": ("module", "model.module"),
+    "FullyShardedDataParallel": ("module", "the unwrapped module"),
+    "OptimizedModule": ("_orig_mod", "model._orig_mod"),
+}
+
+
+def unwrap(model: Any) -> Any:
+    """The model inside DDP / DataParallel / FSDP / ``torch.compile`` wrappers (any nesting).
+
+    Example:
+        >>> import torch, tread_fx
+        >>> model = tread_fx.models.DiT_S_2(input_size=8, depth=2)
+        >>> unwrap(torch.compile(torch.nn.DataParallel(model))) is model
+        True
+    """
+    for _ in range(16):
+        wrapper = _WRAPPERS.get(type(model).__name__)
+        inner = getattr(model, wrapper[0], None) if wrapper else None
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
+    return model
+
+
+def check_unwrapped(model: Any) -> None:
+    """Refuse a model that is wrapped, sharded or compiled already (route first, then wrap).
+
+    Raises:
+        WrappedModelError: naming the wrapper and what to pass instead.
+    """
+    if not isinstance(model, nn.Module):
+        raise WrappedModelError(
+            f"route() expects an nn.Module, got {type(model).__name__}; pass the model itself."
+        )
+    name = type(model).__name__
+    if name in _WRAPPERS:
+        raise WrappedModelError(
+            f"route() was given a {name} wrapper; route the model first, then wrap it "
+            f"(route -> DDP/FSDP/torch.compile). To route this one, pass {_WRAPPERS[name][1]}."
+        )
+    sharded = _fully_sharded(model)
+    if sharded is not None:
+        what = f"a {name} whose submodule {sharded!r} is" if sharded else f"a {name}"
+        raise WrappedModelError(
+            f"route() was given {what} already sharded by FSDP2's fully_shard; route first, "
+            "then shard: tread_fx.route(model, ...), then fully_shard(block) for each block and "
+            "fully_shard(model), then torch.compile. "
+            "Build the model again (or load its unsharded state_dict) and route that."
+        )
+    if getattr(model, "_compiled_call_impl", None) is not None:
+        raise WrappedModelError(
+            f"route() was given a {name} on which model.compile() was already called; route "
+            "first, then compile: tread_fx.route(model, ...), then model.compile() (or "
+            "route(..., compile=True), which compiles the routed graph)."
+        )
+
+
+def _fully_sharded(model: nn.Module) -> str | None:
+    """The path of the first module FSDP2's ``fully_shard`` was applied to (``""``: the model)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # nothing is sharded before it is imported
+    fsdp_module = getattr(fsdp, "FSDPModule", None)
+    if fsdp_module is None:
+        return None
+    return next((p for p, m in model.named_modules() if isinstance(m, fsdp_module)), None)
+
+
+REPLICATE = "_replicate_for_data_parallel"  # what DataParallel calls on every module it copies
+# torch.compile's lazy-module protocol: ``OptimizedModule`` calls ``_infer_parameters(module,
+# args, kwargs)`` of a module that has both attributes eagerly, before dynamo traces the call.
+_LAZY_MARK, _LAZY_CALL = "_initialize_hook", "_infer_parameters"
+#: The ``model.__dict__`` entries :func:`wrapper_attributes` makes (``unroute()`` drops them).
+WRAPPER_ATTRIBUTES = (REPLICATE, _LAZY_MARK, _LAZY_CALL)
+
+
+def refuse_replica(model: nn.Module) -> None:
+    """Refuse ``DataParallel`` replication of a routed model (stored as ``model.REPLICATE``).
+
+    One device (or none) calls the model itself and routes normally.
+
+    Raises:
+        WrappedModelError: naming what to use instead.
+    """
+    raise WrappedModelError(
+        f"DataParallel tried to replicate a routed {type(model).__name__} onto several GPUs; "
+        "a routed model's traced graphs belong to the one model, so its copies cannot route. "
+        "Use DistributedDataParallel (route, then wrap: one process per GPU), or DataParallel "
+        "with a single device."
+    )
+
+
+def wrapper_attributes(model: nn.Module, prepare: Any) -> dict[str, Any]:
+    """The ``model.__dict__`` entries of a routed model for torch's wrappers: ``DataParallel``
+    replicating it calls :func:`refuse_replica`; ``torch.compile(model)`` calls ``prepare(model,
+    args, kwargs)`` on the real inputs before each call, outside the compiled region (dynamo
+    cannot trace building the routed graph of a new signature). ``prepare`` must pickle.
+
+    Example:
+        >>> import torch
+        >>> seen = []
+        >>> def prepare(module, args, kwargs): seen.append(args[0].shape)
+        >>> model = torch.nn.Linear(2, 2)
+        >>> model.__dict__.update(wrapper_attributes(model, prepare))
+        >>> _ = torch.compile(model, backend="eager")(torch.ones(3, 2))
+        >>> seen
+        [torch.Size([3, 2])]
+    """
+    replica = functools.partial(refuse_replica, model)
+    return {REPLICATE: replica, _LAZY_MARK: True, _LAZY_CALL: prepare}
+
 
 _TRAINING = operator.attrgetter("training")
 
@@ -135,11 +261,8 @@ def call_signature(spec: pytree.TreeSpec, flat: list, modes: tuple[bool, ...]) -
 def check_call(model: nn.Module, args: tuple, kwargs: dict) -> None:
     """Raise the ``TypeError`` the unrouted model raises for a call that does not fit its forward.
 
-    A missing or unexpected argument is the caller's mistake, not the tracer's: it is reported
-    exactly as ``type(model).forward`` reports it, before anything is traced.
-
     Raises:
-        TypeError: The arguments do not bind to ``type(model).forward``.
+        TypeError: The arguments do not bind to ``type(model).forward`` (before any tracing).
 
     Example:
         >>> import tread_fx

@@ -94,13 +94,13 @@ def find_grid(model: nn.Module, num_tokens: int) -> tuple[int, int] | None:
 
 
 def _grid_for(model: nn.Module, config: RoutingConfig, info: StreamInfo) -> tuple[int, int] | None:
-    routable = info.num_tokens - info.prefix - info.suffix
+    layout, routable = info.layout, info.layout.routable
     grid = config.grid or find_grid(model, routable) or grid_in_block_arguments(info, routable)
     if grid is not None and math.prod(grid) != routable:
-        suffix = f", minus {info.suffix} suffix" if info.suffix else ""
+        suffix = f", minus {layout.suffix} suffix" if layout.suffix else ""
         raise SelectionError(
             f"grid={grid} was given, but the token stream has {routable} routable tokens "
-            f"({info.num_tokens} minus {info.prefix} prefix{suffix}); H * W must equal that "
+            f"({layout.num_tokens} minus {layout.prefix} prefix{suffix}); H * W must equal that "
             "(F * H * W for a video grid)."
         )
     if grid is None and config.strategy.needs_grid:
@@ -115,8 +115,7 @@ def _grid_for(model: nn.Module, config: RoutingConfig, info: StreamInfo) -> tupl
 def _split_routes(traced, info: StreamInfo, routes: list[Route], args, kwargs) -> dict:
     """Routes that cross a change of the stream's form, with where their tokens land."""
     g = graph_to_networkx(traced.gm.graph)
-    flat = pytree.tree_flatten((args, kwargs))[0]
-    tensors = [leaf for leaf in flat if isinstance(leaf, torch.Tensor)]
+    tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
     splits = {}
     for i, route in enumerate(routes):
         cut_at_route_ends(g, info, route)
@@ -207,14 +206,14 @@ def _share_where_needed(traced, info: StreamInfo, plan: RoutePlan, share: bool |
             "share_selection=False was asked for. Pass share_selection=None (the "
             "default), or choose a route without these blocks."
         )
-    if info.folded != 1 and share is False:
+    if info.layout.folded != 1 and share is False:
         raise SelectionError(
             f"route ({route.start}, {route.end}) routes a stream whose dim 0 folds "
-            f"{info.folded} sequences (frames or positions) of each sample into the batch "
-            f"({info.batch_size} rows), which must all keep the same tokens, but "
+            f"{info.layout.folded} sequences (frames or positions) of each sample into the batch "
+            f"({info.layout.batch_size} rows), which must all keep the same tokens, but "
             "share_selection=False was asked for. Pass share_selection=None (the default)."
         )
-    if found or info.folded != 1:
+    if found or info.layout.folded != 1:
         plan.shared_selection = True
     return found
 
@@ -271,41 +270,44 @@ def build(model: nn.Module, args: tuple, kwargs: dict, config: RoutingConfig) ->
         tensor per route and returns the model's flat outputs followed by the kept ids, and
         the seconds each stage took.
     """
-    with stage_clock() as seconds:
-        built = _build(model, args, kwargs, config)
-    built.stage_seconds = dict(seconds)
-    return built
-
-
-def _build(model: nn.Module, args: tuple, kwargs: dict, config: RoutingConfig) -> Built:
     focus: dict = {"model": model}
-    list_paths = config.block_lists or resolve_block_lists(model, config.blocks)
-    with stage("tracing", lambda: focus):
-        traced = trace_call(model, args, kwargs, block_leaf_paths(model, list_paths))
-    with stage("locating", lambda: focus):
-        explicit = config.blocks is not None
-        info = choose_stream(traced, model, list_paths, explicit, config.keep_prefix, config.stream)
-        thin = None if explicit else thin_stack(traced, model, info, list_paths, config.keep_prefix)
-    if info.choice is not None and info.choice.guessed:
-        warnings.warn(info.choice.message(), StreamChoiceWarning, stacklevel=5)
-    if thin is not None:
-        warnings.warn(thin, ThinRouteWarning, stacklevel=5)
-    routes = config.routes_for(info.depth)
-    with stage("planning", lambda: focus):  # the selection for all routes
-        splits = _split_routes(traced, info, routes, args, kwargs)
-        if is_token_major(info.stream_meta.shape):  # whole dim-1 slices: rows of a grid
-            grid, strategy = None, GRID_ROWS
-        else:
-            grid = _grid_for(model, config, info)
-            strategy = _resolve_auto(traced, info, routes, config, grid, splits, focus)
-    done = [
-        _plan_and_rewrite(traced, info, config, i, route, splits.get(i), (strategy, grid), focus)
-        for i, route in enumerate(routes)
-    ]
-    focus.pop("route", None)
-    with stage("rewriting", lambda: focus):
-        for plan, kept, found in done:
-            _inline(traced, plan, kept, found)
-        drop_examples(traced.gm)
-        num_outputs = append_route_outputs(traced.gm, [kept for _, kept, _ in done])
-    return Built(traced, info, routes, [plan for plan, _, _ in done], num_outputs, strategy.name)
+    with stage_clock() as seconds:
+        list_paths = config.block_lists or resolve_block_lists(model, config.blocks)
+        with stage("tracing", lambda: focus):
+            traced = trace_call(model, args, kwargs, block_leaf_paths(model, list_paths))
+        with stage("locating", lambda: focus):
+            explicit = config.blocks is not None
+            info = choose_stream(
+                traced, model, list_paths, explicit, config.keep_prefix, config.stream
+            )
+            thin = (
+                None
+                if explicit
+                else thin_stack(traced, model, info, list_paths, config.keep_prefix)
+            )
+        if info.choice is not None and info.choice.guessed:
+            warnings.warn(info.choice.message(), StreamChoiceWarning, stacklevel=4)
+        if thin is not None:
+            warnings.warn(thin, ThinRouteWarning, stacklevel=4)
+        routes = config.routes_for(info.depth)
+        with stage("planning", lambda: focus):  # the selection for all routes
+            splits = _split_routes(traced, info, routes, args, kwargs)
+            if is_token_major(info.stream_meta.shape):  # whole dim-1 slices: rows of a grid
+                grid, strategy = None, GRID_ROWS
+            else:
+                grid = _grid_for(model, config, info)
+                strategy = _resolve_auto(traced, info, routes, config, grid, splits, focus)
+        done = [
+            _plan_and_rewrite(
+                traced, info, config, i, route, splits.get(i), (strategy, grid), focus
+            )
+            for i, route in enumerate(routes)
+        ]
+        focus.pop("route", None)
+        with stage("rewriting", lambda: focus):
+            for plan, kept, found in done:
+                _inline(traced, plan, kept, found)
+            drop_examples(traced.gm)
+            num_outputs = append_route_outputs(traced.gm, [kept for _, kept, _ in done])
+    plans = [plan for plan, _, _ in done]
+    return Built(traced, info, routes, plans, num_outputs, strategy.name, dict(seconds))

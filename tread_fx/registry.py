@@ -5,15 +5,6 @@ class is never traced into (its calls become a single ``call_module`` node); a r
 function becomes a single ``call_function`` node wherever the model's code calls it by a
 global name. Use this for code that branches on tensor data, loops over a sequence (a
 selective scan), or calls into C extensions.
-
-Example:
-    >>> import torch
-    >>> import tread_fx
-    >>> @tread_fx.register_leaf_function
-    ... def my_scan(x: torch.Tensor) -> torch.Tensor:
-    ...     return x.cumsum(1)
-    >>> my_scan in tread_fx.registry.leaf_functions()
-    True
 """
 
 from __future__ import annotations
@@ -80,8 +71,12 @@ def register_leaf_function(fn: F) -> F:
         ``fn`` unchanged.
 
     Example:
-        >>> import tread_fx
-        >>> f = tread_fx.register_leaf_function(lambda x: x)
+        >>> import torch, tread_fx
+        >>> @tread_fx.register_leaf_function
+        ... def my_scan(x: torch.Tensor) -> torch.Tensor:
+        ...     return x.cumsum(1)
+        >>> my_scan in tread_fx.registry.leaf_functions()
+        True
     """
     if not callable(fn) or isinstance(fn, type):
         raise RegistrationError(

@@ -4,7 +4,8 @@
   :class:`Adapter` and the registry (user rules first).
 - :mod:`~tread_fx.adapters.rules`: the built-in rules, one table.
 - :mod:`~tread_fx.adapters.token_tables`: row maps and the graph functions that cut token
-  tables (RoPE tables, masks, position ids) to the kept tokens.
+  tables (RoPE tables, masks, position ids, values folding the batch with the tokens) to
+  the kept tokens.
 
 Example:
     >>> from tread_fx.adapters import adapters

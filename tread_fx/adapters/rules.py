@@ -2,11 +2,10 @@
 
 Each rule is an :class:`~tread_fx.adapters.values.Adapter`; its ``doc`` says what it
 assumes. User adapters are consulted first. No rule reads an argument name or a library:
-they decide by the value's use in the blocks (``SideValue.use``, from
+they decide by the value's shape and use in the blocks (``SideValue.use``, from
 :mod:`tread_fx.passes.plan.uses`: ``"table"``, combined elementwise with the stream or q/k
 along a token dim; ``"mask"``, on attention scores; ``"ids"``, indexing a table; ``None`` or
-``"unknown"``, unseen) and its shape. Names (``SideValue.arg_names``) are hints for
-``explain`` and for user adapters.
+``"unknown"``, unseen). Names (``SideValue.arg_names``) are hints for ``explain`` and users.
 
 Example:
     >>> from tread_fx.adapters.rules import BUILTIN_ADAPTERS
@@ -22,14 +21,16 @@ from typing import Any
 
 import torch
 
-from tread_fx.adapters.folded_rows import gather_folded_rows, rows_per_token, why_not_folded
 from tread_fx.adapters.token_tables import (
     RowMap,
     batch_dim_of,
     explain_rows,
     find_rows,
+    gather_folded_rows,
+    rows_per_token,
     take_rows,
     tensor_metas,
+    why_not_folded,
 )
 from tread_fx.adapters.values import NO_BATCH_DIM, Adapter, SideValue, TensorMeta
 from tread_fx.runtime.packed import kept_offsets
@@ -40,8 +41,7 @@ _Rows = Callable[[SideValue], RowMap | None]
 
 
 def _table(side: SideValue) -> tuple[tuple[int, ...] | None, int | None]:
-    """(shape, batch dim or None) of a tensor or a tuple of same-shape tensors, else
-    (None, None)."""
+    """(shape, batch dim) of a tensor or a tuple of same-shape tensors, else (None, None)."""
     metas = tensor_metas(side.meta)
     if metas is None:
         return None, None
@@ -83,12 +83,13 @@ def _rows_used_as(use: str, per_sample: bool) -> _Rows:
     return rows
 
 
+_shared_table = _rows_used_as("table", per_sample=False)
+
+
 def _broadcast_rows(side: SideValue) -> RowMap | None:
     """A table whose every use is elementwise with the stream between the blocks, with a dim
     of size 1 at the stream's batch dim (``SideValue.batch_broadcast``)."""
-    if side.batch_broadcast is None:
-        return None
-    return _rows_used_as("table", per_sample=False)(side)
+    return None if side.batch_broadcast is None else _shared_table(side)
 
 
 def _rope_of_a_shorter_stream(side: SideValue) -> bool:
@@ -123,9 +124,8 @@ def _laid_out_like_stream(side: SideValue) -> RowMap | None:
     if not _unseen(side) or batch != side.stream.batch_dim or len(shape) != 2:
         return None
     rows = find_rows(side, batch=batch, features_last=False, all_dims=False)
-    if rows is None or rows.dims != (side.stream.token_dim,) or rows.lead or rows.trail:
-        return None
-    return rows
+    aligned = rows is not None and rows.dims == (side.stream.token_dim,)
+    return rows if aligned and not (rows.lead or rows.trail) else None
 
 
 def _integers(side: SideValue, ranks: tuple[int, ...]) -> bool:
@@ -187,7 +187,7 @@ def _expanded_over_tokens(side: SideValue) -> bool:
 
 
 def _folded_rows(side: SideValue) -> bool:
-    """A [B * N, ...] value not received as a RoPE table or a mask (see folded_rows)."""
+    """A [B * N, ...] value not received as a RoPE table or a mask (see token_tables)."""
     return side.use not in ("table", "mask") and rows_per_token(side) is not None
 
 
@@ -218,11 +218,10 @@ _RULES = (
         _packed_offsets,
         kept_offsets,
         "Packed streams only ([T, dim], or a batch of one [1, T, dim]): a 1-D integer tensor "
-        "shorter than the tokens from which the blocks build their attention mask (cumulative "
-        "segment offsets [S + 1], cu_seqlens) gives the samples' boundaries. The route selects "
-        "per segment (each keeps its own share of tokens, in order) and the blocks get the kept "
-        "tokens' offsets. A max_seqlen number is left as it is: an upper bound for the kept "
-        "segments.",
+        "shorter than the tokens from which the blocks build their attention mask gives the "
+        "samples' boundaries (cumulative segment offsets [S + 1], cu_seqlens). The route selects "
+        "per segment (each keeps its share of tokens, in order) and the blocks get the kept "
+        "tokens' offsets; a max_seqlen number stays as it is (an upper bound).",
         segments="offsets",
     ),
     _cut(
@@ -230,9 +229,8 @@ _RULES = (
         _packed_segment_ids,
         "Packed streams only ([T, dim], or a batch of one [1, T, dim]): one segment (sample, "
         "document) id per token ([T] or [1, T] integers) from which the blocks build their "
-        "attention mask. The route selects per segment (each keeps its own share of tokens, in "
-        "order) and the kept tokens keep their ids, so masks the blocks build from them stay per "
-        "segment.",
+        "attention mask. The route selects per segment and the kept tokens keep their ids, so "
+        "masks built from them stay per segment.",
         segments="ids",
     ),
     Adapter(
@@ -263,35 +261,32 @@ _RULES = (
     _cut(
         "rope-per-sample",
         _rows_used_as("table", per_sample=True),
-        "A table the blocks (or the code between them) combine elementwise with the stream or q/k "
-        "along a token dim (RoPE cos/sin, positional tables, gates, residuals added between "
-        "blocks) that has the batch dim (size B) and one other non-feature dim of N (or N - "
-        "prefix) rows, features last unless only the last dim has token rows ([B, N] per-token "
-        "weights; a per-token adaLN modulation [B, N, 6, d] is one too): each sample's rows are "
-        "gathered with its kept ids. Tables with extra rows (T + N) are cut only when a "
-        "concatenation in the graph shows where the N token rows are.",
+        "A table combined elementwise with the stream or q/k along a token dim, in or between "
+        "the blocks (RoPE cos/sin, positional tables, gates, residuals, a per-token adaLN "
+        "modulation [B, N, 6, d]), with the batch dim (size B) and one other non-feature dim of "
+        "N (or N - prefix) rows, features last unless only the last dim has token rows ([B, N] "
+        "weights): each sample's rows are gathered with its kept ids. Extra rows (T + N) are cut "
+        "only where a concatenation in the graph shows where the N token rows are.",
         per_sample=True,
     ),
     _cut(
         "table-between-blocks",
         _broadcast_rows,
         "A table the code between the routed blocks adds (or multiplies) elementwise to the "
-        "stream along a token dim, with a dim of size 1 where the stream has its batch ([1, N, "
-        "d]: a decoder's position table added between an encoder and a decoder stack): the graph "
-        "shows it broadcast over the batch, so its kept rows are taken per sample from its "
-        "expansion ([B, k, d]); with a selection shared across the batch (another value needs it) "
-        "it keeps its size 1 ([1, k, d]).",
+        "stream along a token dim, with size 1 at the stream's batch dim ([1, N, d]: a decoder's "
+        "position table added between an encoder and a decoder stack): the graph shows it "
+        "broadcast over the batch, so its kept rows are taken per sample from its expansion "
+        "([B, k, d]), or keep its size 1 ([1, k, d]) under a selection shared across the batch.",
         broadcast=True,
     ),
     _cut(
         "rope-batch-shared",
-        _rows_used_as("table", per_sample=False),
-        "A table the blocks combine elementwise with the stream or q/k along a token dim (RoPE), "
-        "without a batch dim (or with a broadcast dim of 1): [N, d], [N], or a joint model's [T + "
-        "N, d] whose text rows come first, as the concatenation of txt_ids and img_ids in the "
-        "graph shows. The attention broadcasts it over the batch in a way tread_fx cannot see, so "
-        "it cannot become per-sample: the route's selection is shared across the batch (a fresh "
-        "subset per step, the same for every sample) and the table keeps the kept tokens' rows "
+        _shared_table,
+        "A table combined elementwise with the stream or q/k along a token dim (RoPE) without a "
+        "batch dim (or with a broadcast dim of 1): [N, d], [N], or a joint model's [T + N, d] "
+        "whose text rows come first, as the graph's concatenation of txt_ids and img_ids shows. "
+        "The attention broadcasts it over the batch unseen, so the route's selection is shared "
+        "across the batch (a fresh subset per step) and the table keeps the kept tokens' rows "
         "plus all non-token (text) rows, in their original order.",
         shares_selection=True,
         diagnose=_why_not("table", features_last=True),
@@ -344,11 +339,10 @@ _RULES = (
         "token-index-shared",
         _token_index_rows,
         "Only where no block receiving it could be traced through (its use is unknown): a 1-D "
-        "integer tensor of N (or N - prefix) entries holds one index per token (a per-token "
-        "modulation index, a segment or modality id, a position): the kept tokens keep their "
-        "entries, indexed with a selection shared across the batch. Floating-point [N] vectors "
-        "are not assumed to be per token. Reported with a warning naming the value (an Adapter "
-        "with action 'pass' overrides it).",
+        "integer tensor of N (or N - prefix) entries holds one index per token (a modulation "
+        "index, a segment or modality id, a position): the kept tokens keep their entries, "
+        "indexed with a selection shared across the batch. Floating-point [N] vectors are not "
+        "assumed per token. Reported with a warning (an Adapter with action 'pass' overrides it).",
         shares_selection=True,
         by_shape_only=True,
     ),
@@ -357,12 +351,11 @@ _RULES = (
         _folded_rows,
         gather_folded_rows,
         "A value computed from a model input whose dim 0 folds the batch with the stream's "
-        "tokens, [B * N, ...] (or [B * N * F, ...]: one row per token and folded frame), "
-        "sample-major, as factorised video blocks between the routed ones receive it "
-        "(tread_fx.adapters.folded_rows): viewed as [B, N, m, ...], each sample's kept tokens are "
-        "gathered and the result folds back to [B * k * m, ...]. Not matched: a value whose dim 0 "
-        "is also the stream's own batch rows (ambiguous), or one the blocks use as a table or a "
-        "mask (a joint model's [T + N, d] RoPE table has B * N rows when T == N and B == 2).",
+        "tokens, sample-major ([B * N, ...], or [B * N * F, ...]: a row per token and folded "
+        "frame), as factorised video blocks between the routed ones receive it: viewed as [B, N, "
+        "m, ...], each sample's kept tokens are gathered and folded back to [B * k * m, ...]. Not "
+        "matched: a value whose dim 0 is also the stream's own batch rows (ambiguous), or a table "
+        "or mask (a joint model's [T + N, d] RoPE table has B * N rows when T == N and B == 2).",
         options=lambda side: {
             "samples": side.stream.samples,
             "rows_per_token": rows_per_token(side),
@@ -387,13 +380,12 @@ _RULES = (
         "per-token-by-shape",
         _laid_out_like_stream,
         "Only where the blocks' use of it is not seen (it meets the stream only inside a leaf "
-        "module, or no block receiving it could be traced through): one value per token and "
-        "sample, [B, N] with the batch and the N (or N - prefix) token rows at the stream's batch "
-        "and token dims (a key mask, per-token ids), is taken for per-token values and gathered "
-        "per sample. Reported with a warning naming the value; an Adapter with action 'pass' "
-        "overrides it (a mask of another sequence of the same length). Values with features ([B, "
-        "N, d]: maybe another sequence), several token-sized dims ([B, N, N]) or no batch dim are "
-        "refused in strict mode.",
+        "module, or no block receiving it could be traced through): [B, N], the batch and the N "
+        "(or N - prefix) token rows at the stream's batch and token dims (a key mask, per-token "
+        "ids), is taken for per-token values and gathered per sample, with a warning naming the "
+        "value (an Adapter with action 'pass' overrides it: a mask of another sequence of the "
+        "same length). Values with features ([B, N, d]), several token-sized dims ([B, N, N]) or "
+        "no batch dim are refused in strict mode.",
         per_sample=True,
         by_shape_only=True,
     ),

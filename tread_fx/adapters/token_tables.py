@@ -1,14 +1,20 @@
 """Token tables: side values with one row per token, and how to cut them to the kept tokens.
 
-RoPE tables and attention masks enter the blocks beside the token stream; their token rows
-must follow the stream's selection. *Per-sample* tables carry the batch dim (``[B, N, d]``
-cos/sin, ``[B, N]`` key-padding masks, ``[B, 1, N, N]`` attention masks): their rows are
-gathered per sample with the stream's kept ids. *Batch-shared* tables have no batch dim
-(or a broadcast dim of size 1: ``[N, d]``, Flux's ``[T + N, d]`` text-then-image table,
-``[N, N]`` masks) and their consumer broadcasts them over the batch in ways tread_fx cannot
-see (``cos[None, :, None, :]``): the route's selection is then shared across the batch
-(one fresh random subset per step) and the table's rows are indexed with it, keeping its
-shape except for the row count.
+RoPE tables and attention masks enter the blocks beside the stream; their token rows must
+follow its selection. *Per-sample* tables (``[B, N, d]`` cos/sin, ``[B, N]`` or ``[B, 1, N,
+N]`` masks) are gathered per sample with the kept ids. *Batch-shared* tables (``[N, d]``,
+Flux's ``[T + N, d]`` text-then-image table, ``[N, N]`` masks) are broadcast over the batch
+in ways tread_fx cannot see: the route's selection is then shared across the batch and the
+table's rows are indexed with it, keeping its shape except for the row count.
+
+*Folded* values fold the batch with the tokens in dim 0: factorised video blocks run
+temporal blocks on ``[B * N, F, C]`` between the routed spatial blocks on ``[B * F, N, C]``,
+so what they receive per token position (Latte's ``timestep.repeat_interleave(N, dim=0)``,
+``[B * N, 6 C]``) keeps the kept positions' rows: viewed as ``[B, N, m, ...]`` (``m`` rows
+per token: 1, or ``F`` for one per position and frame), gathered on the token dim and folded
+back to ``[B * k * m, ...]``, the kept stream's row order. A route over the temporal stack is
+the mirror image, but Latte's per-frame text (``[B * F, T, C]``) is attention context,
+passed by an earlier rule, so such a route fails on its first call.
 
 Example:
     >>> import torch
@@ -22,9 +28,10 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 import operator
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +39,7 @@ import torch
 import torch.fx as fx
 
 from tread_fx.adapters.values import SideValue, TensorMeta
+from tread_fx.runtime.ops import gather_tokens, token_index
 from tread_fx.runtime.selection import with_prefix, with_suffix
 
 __all__ = [
@@ -44,6 +52,9 @@ __all__ = [
     "tensor_metas",
     "batch_dim_of",
     "map_tensors",
+    "rows_per_token",
+    "gather_folded_rows",
+    "why_not_folded",
 ]
 
 _CAT = (torch.cat, torch.concat, torch.concatenate)
@@ -71,8 +82,7 @@ class RowMap:
 
     def options(self, batch: int | None) -> dict[str, Any]:
         """Keyword arguments of :func:`take_rows` for this map."""
-        return {"dims": self.dims, "lead": self.lead, "skip": self.skip, "trail": self.trail,
-                "batch": batch}  # fmt: skip
+        return {**vars(self), "batch": batch}
 
 
 def tensor_metas(meta: Any) -> list[TensorMeta] | None:
@@ -121,59 +131,42 @@ def find_rows(
     n, prefix = side.stream.num_tokens, side.stream.prefix
     sizes = {n - prefix: prefix, n: 0}  # row counts that map to stream tokens: their skip
     direct = [d for d in dims if shape[d] in sizes]
-    if direct and (all_dims or len(direct) == 1):
-        if len({shape[d] for d in direct}) != 1:
+    if direct:
+        if not (all_dims or len(direct) == 1) or len({shape[d] for d in direct}) != 1:
             return None
         return RowMap(tuple(direct), skip=sizes[shape[direct[0]]])
-    if direct:
-        return None
-    return _rows_with_extra(side, shape, dims)
-
-
-def _rows_with_extra(side: SideValue, shape: tuple, dims: list[int]) -> RowMap | None:
-    """Find token rows among extra rows by the concatenation or the sum that built them.
-
-    A table of ``T + N`` rows (Flux: text ids then image ids) is tied to the stream only if
-    the graph concatenates it (or the ids it is computed from) from parts of which exactly
-    one has ``N`` rows; the rows before that part are ``lead``, the rows after it ``trail``.
-    Failing that, a table allocated for ``N + T`` rows (``torch.ones(B, image_len +
-    text_len)``, a joint key mask) is tied to the stream by the traced sum of the two
-    lengths: its operand order is the row order. Several parts of ``N`` rows (``T == N``)
-    are told apart by :func:`_tie`.
-    """
-    n = side.stream.num_tokens
-    for dim in dims:
-        if shape[dim] <= n:
-            continue
-        parts = _split_parts(side, shape[dim], n)
+    for dim in dims:  # more rows than tokens: tied to the stream by what built them
+        parts = _split_parts(side, shape[dim], n) if shape[dim] > n else None
         if parts is not None:
-            lead, trail = parts
-            return RowMap((dim,), lead=lead, trail=trail)
+            return RowMap((dim,), lead=parts[0], trail=parts[1])
     return None
 
 
 def _split_parts(side: SideValue, rows: int, n: int) -> tuple[int, int] | None:
-    """(lead, trail) by the first ancestor cat of ``rows`` rows with one part of ``n`` rows,
-    else by the first traced sum of lengths ``rows`` with one of ``n``."""
-    primary = side.primary
-    cat = lambda c: c.target in _CAT and _split_of_cat(c, rows, n, primary)  # noqa: E731
-    add = lambda c: c.target is operator.add and _split_of_sum(c, rows, n, primary)  # noqa: E731
-    return _first_split(side.node, cat) or _first_split(side.node, add)
+    """(lead, trail) of a table of ``rows`` rows around its ``n`` token rows.
+
+    A ``T + N`` table (Flux: text ids then image ids) is tied to the stream by the first
+    ancestor concatenation of ``rows`` rows with exactly one part of ``n`` rows; failing
+    that, a table allocated for ``N + T`` rows (``torch.ones(B, image_len + text_len)``) by
+    the first traced sum of lengths with one of ``n`` (operand order is row order). Several
+    parts of ``n`` rows (``T == N``) are told apart by :func:`_tie`.
+    """
+    calls = [c for c in _ancestors(side.node) if c.op == "call_function"]
+    cats = (_split_of_cat(c, rows, n, side.primary) for c in calls if c.target in _CAT)
+    sums = (_split_of_sum(c, rows, n, side.primary) for c in calls if c.target is operator.add)
+    return next(filter(None, itertools.chain(cats, sums)), None)
 
 
-def _first_split(node: fx.Node, split) -> tuple[int, int] | None:
-    """The first ``split(ancestor)`` result (breadth first) for a call_function ancestor."""
+def _ancestors(node: fx.Node) -> Iterator[fx.Node]:
+    """``node`` and the nodes it is computed from, breadth first, within the search limit."""
     seen, todo = {node}, [node]
     while todo and len(seen) < _SEARCH_LIMIT:
         current = todo.pop(0)
-        found = split(current) if current.op == "call_function" else None
-        if found:
-            return found
+        yield current
         for arg in current.all_input_nodes:
             if arg not in seen:
                 seen.add(arg)
                 todo.append(arg)
-    return None
 
 
 def _split_of_cat(cat: fx.Node, rows: int, n: int, primary: Any) -> tuple[int, int] | None:
@@ -213,7 +206,8 @@ def _tie(parts: Any, candidates: list[int], n: int, primary: Any) -> list[int]:
     """Of several parts of ``n`` rows, the one computed from the model's main input (the
     stream's; a length read from it). Failing that, the last one (joint models put other
     tokens first), reported with a warning naming the choice and the override."""
-    mine = [i for i in candidates if isinstance(parts[i], fx.Node) and _from(parts[i], primary)]
+    nodes = [i for i in candidates if isinstance(parts[i], fx.Node)]
+    mine = [i for i in nodes if primary in _ancestors(parts[i])]
     if len(mine) == 1:
         return mine
     warnings.warn(
@@ -224,19 +218,6 @@ def _tie(parts: Any, candidates: list[int], n: int, primary: Any) -> list[int]:
         stacklevel=2,
     )
     return candidates[-1:]
-
-
-def _from(part: fx.Node, primary: Any) -> bool:
-    """Whether ``part`` is computed from ``primary`` (within the search limit)."""
-    seen, todo = set(), [part]
-    while todo and len(seen) < _SEARCH_LIMIT:
-        node = todo.pop()
-        if node is primary:
-            return True
-        if node not in seen:
-            seen.add(node)
-            todo.extend(node.all_input_nodes)
-    return False
 
 
 def explain_rows(side: SideValue, features_last: bool) -> str:
@@ -268,29 +249,10 @@ def _row_ids(idx: torch.Tensor, rows: int, lead: int, skip: int, trail: int) -> 
     return with_suffix(ids, rows - trail, trail) if trail else ids
 
 
-def _take_per_sample(x: torch.Tensor, ids: torch.Tensor, batch: int, dim: int) -> torch.Tensor:
-    view = [1] * x.dim()
-    view[batch], view[dim] = ids.shape
-    ordered = ids if batch < dim else ids.transpose(0, 1)
-    target = list(x.shape)
-    target[dim] = ids.shape[1]
-    return x.gather(dim, ordered.reshape(view).expand(target))
-
-
 def map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     """``fn`` of a tensor, or of each tensor of a tuple/list; anything else is kept."""
     one = lambda x: fn(x) if isinstance(x, torch.Tensor) else x  # noqa: E731
     return type(value)(map(one, value)) if isinstance(value, (tuple, list)) else one(value)
-
-
-def _take_one(x: torch.Tensor, idx: torch.Tensor, dims, lead, skip, trail, batch, broadcast):
-    if broadcast is not None and batch is not None:  # [1, N, d] -> [B, N, d], then per sample
-        x = x.expand(*x.shape[:broadcast], idx.shape[0], *x.shape[broadcast + 1 :])
-    for dim in dims:
-        ids = _row_ids(idx, x.shape[dim], lead, skip, trail)
-        shared = batch is None
-        x = x.index_select(dim, ids[0]) if shared else _take_per_sample(x, ids, batch, dim)
-    return x
 
 
 def take_rows(
@@ -320,9 +282,19 @@ def take_rows(
     Returns:
         The value with only the kept rows, same structure and rank.
     """
-    return map_tensors(
-        value, lambda x: _take_one(x, idx, dims, lead, skip, trail, batch, broadcast)
-    )
+
+    def one(x: torch.Tensor) -> torch.Tensor:
+        if broadcast is not None and batch is not None:  # [1, N, d] -> [B, N, d], per sample
+            x = x.expand(*x.shape[:broadcast], idx.shape[0], *x.shape[broadcast + 1 :])
+        for dim in dims:
+            ids = _row_ids(idx, x.shape[dim], lead, skip, trail)
+            if batch is None:
+                x = x.index_select(dim, ids[0])
+            else:
+                x = x.gather(dim, token_index(ids, x, dim, batch))
+        return x
+
+    return map_tensors(value, one)
 
 
 def per_sample_rope_table(
@@ -338,7 +310,7 @@ def per_sample_rope_table(
         table = x if x.dim() == 3 else x.unsqueeze(0)
         batched = table.unsqueeze(0).expand(idx.shape[0], *table.shape)
         ids = _row_ids(idx, x.shape[-2], lead, skip, trail)
-        return _take_per_sample(batched, ids, 0, 2)
+        return batched.gather(2, token_index(ids, batched, 2, 0))
 
     return map_tensors(value, one)
 
@@ -346,3 +318,83 @@ def per_sample_rope_table(
 def share_across_batch(idx: torch.Tensor) -> torch.Tensor:
     """Give every sample the first sample's kept ids (a batch-shared selection)."""
     return idx[:1].expand_as(idx)
+
+
+# -- values whose dim 0 folds the batch with the tokens: [B * N, ...] ------------------------
+
+
+def _rows(side: SideValue) -> int | None:
+    """Dim 0 of a tensor (or a tuple of same-shape tensors), ``None`` for anything else."""
+    metas = tensor_metas(side.meta)
+    return metas[0].shape[0] if metas and metas[0].shape else None
+
+
+def rows_per_token(side: SideValue) -> int | None:
+    """``m`` when ``side``'s dim 0 folds the samples, the stream's tokens and ``m`` rows per
+    token (``[B * N, ...]``: 1; ``[B * N * F, ...]`` for a stream folding ``F`` sequences per
+    sample: ``F``), else ``None``. Only values computed from a model input count (a constant
+    or shape-built table cannot hold the batch in its rows); values aligned with the stream
+    or whose dim 0 is the stream's own batch rows (``F == N``: :func:`why_not_folded`) never
+    do.
+    """
+    layout = side.stream
+    rows = _rows(side)
+    fold = layout.samples * layout.num_tokens
+    if rows is None or not side.from_inputs or side.token_aligned or layout.num_tokens < 2:
+        return None
+    if rows not in (fold, fold * layout.folded) or rows == layout.batch_size:  # ambiguous
+        return None
+    return rows // fold
+
+
+def why_not_folded(side: SideValue) -> str | None:
+    """Why a ``[B * N, ...]`` value that the routed blocks do not receive is not gathered."""
+    layout = side.stream
+    rows = _rows(side)
+    if rows is None or side.arg_names or side.token_aligned or not side.from_inputs:
+        return None
+    # ambiguous: samples x tokens is also the stream's own batch rows
+    if layout.folded < 2 or not (rows == layout.samples * layout.num_tokens == layout.batch_size):
+        return None
+    return (
+        f"its dim 0 ({rows}) is both the stream's batch rows ({layout.samples} samples x "
+        f"{layout.folded} folded sequences) and samples x tokens ({layout.samples} x "
+        f"{layout.num_tokens}), so it may be per row (pass) or per token (gather); give the "
+        "model a different number of frames than tokens per frame, or register an adapter"
+    )
+
+
+def gather_folded_rows(
+    value: Any, idx: torch.Tensor, *, samples: int, num_tokens: int, **layout: Any
+) -> Any:
+    """Keep the rows of the kept tokens of a ``[B * N * m, ...]`` value.
+
+    Args:
+        value: A tensor, or a tuple/list of tensors, whose dim 0 folds ``samples``, then
+            ``num_tokens`` tokens, then ``m`` rows per token.
+        idx: The route's kept token ids, ``[B, k]``, or ``[B * F, k]`` for a stream whose
+            dim 0 folds ``F`` sequences per sample (the first row of each sample is used:
+            the selection is shared by its rows).
+        samples: The model's batch size ``B``.
+        num_tokens: The stream's token count ``N`` (prefix included).
+        **layout: The rest of the stream layout (unused; passed to every adapter action).
+
+    Returns:
+        ``[B * k * m, ...]`` (same structure); ``value`` itself when every token is kept,
+        so rate 0 computes bitwise as the unrouted model.
+
+    Example:
+        >>> value = torch.arange(8.0).view(8, 1)           # B = 2 samples x N = 4 positions
+        >>> idx = torch.tensor([[0, 2], [1, 3]])            # kept positions per sample
+        >>> gather_folded_rows(value, idx, samples=2, num_tokens=4)[:, 0].tolist()
+        [0.0, 2.0, 5.0, 7.0]
+    """
+    if idx.shape[-1] == num_tokens:
+        return value
+    per_sample = idx.reshape(samples, -1, idx.shape[-1])[:, 0]
+
+    def one(x: torch.Tensor) -> torch.Tensor:
+        folded = x.reshape(samples, num_tokens, -1, *x.shape[1:])  # [B, N, m, ...]
+        return gather_tokens(folded, per_sample, 1).reshape(-1, *x.shape[1:])
+
+    return map_tensors(value, one)

@@ -1,12 +1,11 @@
 """What adapters see and are: tensor metadata, the stream layout, side values, the registry.
 
-The trace pass records a :class:`TensorMeta` per graph value; the plan pass describes each
-value entering a routed region as a :class:`SideValue`. The token stream and values that
-are clearly versions of it are gathered automatically; everything else is asked of the
-adapter registry, in order: the first :class:`Adapter` whose ``matches`` accepts the value
-decides. User adapters, consulted first, may key on what the block receives (the argument
-name, the block class, the shape), never on the model's name; the built-in rules,
-:data:`tread_fx.adapters.rules.BUILTIN_ADAPTERS`, decide by the value's use and shape.
+The plan pass describes each value entering a routed region as a :class:`SideValue`; the
+stream and its clear versions are gathered, and for anything else the first registered
+:class:`Adapter` whose ``matches`` accepts it decides. User adapters, consulted first, may
+key on what the block receives (argument name, block class, shape), never on the model's
+name; the built-in rules (:data:`tread_fx.adapters.rules.BUILTIN_ADAPTERS`) decide by use
+and shape.
 """
 
 from __future__ import annotations
@@ -186,10 +185,7 @@ def register_adapter(adapter: Adapter, *, first: bool = True) -> Adapter:
         ... ))
         >>> unregister_adapter(mine)
     """
-    if first:
-        _ADAPTERS.insert(0, adapter)
-    else:
-        _ADAPTERS.append(adapter)
+    _ADAPTERS.insert(0 if first else len(_ADAPTERS), adapter)
     return adapter
 
 

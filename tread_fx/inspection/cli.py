@@ -50,9 +50,7 @@ def parse_route_specs(specs: Sequence[str]) -> list[tuple]:
             try:
                 if len(parts) not in (2, 3):
                     raise ValueError
-                route: tuple = (int(parts[0]), int(parts[1]))
-                if len(parts) == 3:
-                    route += (float(parts[2]),)
+                route: tuple = (int(parts[0]), int(parts[1]), *map(float, parts[2:]))
             except ValueError:
                 raise InvalidRouteError(
                     f"--routes {item!r} is not a route; write START:END or START:END:RATE with "
@@ -164,19 +162,15 @@ def _render(exp: Any, args: argparse.Namespace) -> str:
     from tread_fx.inspection import render
 
     fmt = args.format
+    if fmt == "text" and args.command == "explain":
+        return exp.report(color=_use_color(args.color, args.out)) + "\n"
     if fmt == "text":
-        color = _use_color(args.color, args.out)
-        return (exp.report(color=color) if args.command == "explain" else _diff_text(exp)) + "\n"
+        routes = ", ".join(f"({r.start}, {r.end}, {r.rate})" for r in exp.routes)
+        return f"tread_fx diff: {exp.model}, routes [{routes}]\n{exp.diff}\n"
     if fmt == "json":
         diff = {"schema": "tread_fx.diff/1", "model": exp.model, **exp.diff.to_dict()}
         return json.dumps(exp.to_dict() if args.command == "explain" else diff, indent=2) + "\n"
-    draw = {"dot": render.to_dot, "svg": render.to_svg, "html": render.to_html}[fmt]
-    return draw(exp, full=args.full)
-
-
-def _diff_text(exp: Any) -> str:
-    routes = ", ".join(f"({r.start}, {r.end}, {r.rate})" for r in exp.routes)
-    return f"tread_fx diff: {exp.model}, routes [{routes}]\n{exp.diff}"
+    return getattr(render, f"to_{fmt}")(exp, full=args.full)  # to_dot, to_svg, to_html
 
 
 def _run(args: argparse.Namespace) -> str:
@@ -250,12 +244,11 @@ def run(args: argparse.Namespace) -> int:
         return 1
     finally:
         torch.set_num_threads(threads)
-    out = args.out
-    if out:
-        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-        with open(out, "w", encoding="utf-8") as f:
+    if args.out:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w", encoding="utf-8") as f:
             f.write(text)
-        print(f"tread-fx: wrote {out}", file=sys.stderr)
+        print(f"tread-fx: wrote {args.out}", file=sys.stderr)
     else:
         sys.stdout.write(text)
     return 0

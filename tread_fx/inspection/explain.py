@@ -179,10 +179,10 @@ def _blocks(model, built, original, shapes, profiles) -> list[BlockReport]:
             block.path,
             type(model.get_submodule(block.path)).__name__,
             route_of[i].index if i in route_of else None,
-            _stream_tokens(original.gm, block, shapes[0], info.token_dim),
+            _stream_tokens(original.gm, block, shapes[0], info.layout.token_dim),
             route_of[i].kept_tokens
             if inlined
-            else _stream_tokens(built.gm, block, shapes[1], info.token_dim),
+            else _stream_tokens(built.gm, block, shapes[1], info.layout.token_dim),
             node_original=_block_node(original.gm, block.path).name,
             node_routed="(inlined)" if inlined else _block_node(built.gm, block.path).name,
         )
@@ -209,15 +209,15 @@ def _stream(built: Built) -> dict[str, Any]:
     return {
         "shape": list(meta.shape),
         "dtype": str(meta.dtype).replace("torch.", ""),
-        "batch_dim": info.batch_dim,
-        "token_dim": info.token_dim,
-        "num_tokens": info.num_tokens,
-        "prefix": info.prefix,
-        "suffix": info.suffix,
+        "batch_dim": info.layout.batch_dim,
+        "token_dim": info.layout.token_dim,
+        "num_tokens": info.layout.num_tokens,
+        "prefix": info.layout.prefix,
+        "suffix": info.layout.suffix,
         "grid": list(grid) if grid else None,
         "selection": built.selection,
         "unit": token_major_unit(meta.shape),
-        "folded": info.folded,
+        "folded": info.layout.folded,
         "enters_at": info.blocks[0].path,
         "choice": _choice(info.choice),
     }
@@ -227,13 +227,8 @@ def _choice(choice: Any) -> dict[str, Any] | None:
     """How the routed stream was chosen (``tread_fx/passes/locate/choice.py``)."""
     if choice is None:
         return None
-    return {
-        "chosen": choice.chosen,
-        "reason": choice.reason,
-        "candidates": list(choice.candidates),
-        "guessed": choice.guessed,
-        "option": f"stream={choice.option}",
-    }
+    data = {k: getattr(choice, k) for k in ("chosen", "reason", "candidates", "guessed")}
+    return {**data, "candidates": list(choice.candidates), "option": f"stream={choice.option}"}
 
 
 def explain(
@@ -366,10 +361,9 @@ def _assemble(model, call, found, guards, names, config, flops) -> Explanation:
     profiles = _try_profiles(original.gm, built.gm, tensors, noise, paths) if flops else None
     flop_report = None
     if profiles is not None:
-        shapes = (profiles[0].shapes, profiles[1].shapes)
-        flop_report = FlopReport(
-            profiles[0].total, profiles[1].total, profiles[0].outside, profiles[1].outside
-        )
+        before, after = profiles
+        shapes = (before.shapes, after.shapes)
+        flop_report = FlopReport(before.total, after.total, before.outside, after.outside)
     else:
         shapes = (
             fake_shapes(original.gm, tensors, paths),

@@ -52,7 +52,7 @@ from torch.utils.flop_counter import (
 )
 
 from tread_fx.inspection.records import BlockCost, Cost, GraphProfile, OpCounts
-from tread_fx.passes.trace.compat import dynamo_wrappers_run_original
+from tread_fx.passes.trace.support import dynamo_wrappers_run_original
 from tread_fx.passes.trace.tracer import MODEL_PREFIX
 from tread_fx.runtime.ops import call_in_fp32
 
@@ -60,10 +60,6 @@ __all__ = [
     "FLOP_FORMULAS",
     "flop_counter",
     "module_arg_index",
-    "OpCounts",
-    "Cost",
-    "BlockCost",
-    "GraphProfile",
     "profile_graph",
     "fake_shapes",
     "block_nodes",
@@ -179,9 +175,7 @@ class _Paused:
         _PAUSED[0] -= 1
 
 
-def _trace_cost(
-    fn: Callable, state: dict, tensors: list, mode: str = "fake"
-) -> tuple[Cost, fx.GraphModule]:
+def _trace_cost(fn: Callable, state: dict, tensors: list, mode: str) -> tuple[Cost, fx.GraphModule]:
     """Forward: ATen graph of ``fn(state, *tensors)`` (``make_fx``); backward: counted.
     Code the model compiles itself runs (and is traced) as its original Python."""
     with dynamo_wrappers_run_original():
@@ -359,10 +353,9 @@ def block_nodes(gm: fx.GraphModule, paths: Sequence[str]) -> dict[fx.Node, str]:
             target = node.target
         elif (index := module_arg_index(node)) is not None:
             target = node.args[index].target
-        if isinstance(target, str) and target.startswith(MODEL_PREFIX):
-            path = target[len(MODEL_PREFIX) :]
-            if path in wanted:
-                found[node] = path
+        path = target.removeprefix(MODEL_PREFIX) if isinstance(target, str) else None
+        if path in wanted and path != target:
+            found[node] = path
     return found
 
 
@@ -406,9 +399,27 @@ def profile_graph(
         with all-ones output gradients, gradients for every parameter).
     """
     costs = {} if block_costs is None else block_costs
-    return _fake_or_real(
-        lambda values, mode: _profile(gm, values, block_paths, costs, mode), inputs
-    )
+
+    def run(values: list, mode: str) -> GraphProfile:
+        cache: dict[tuple, _Signature] = {}
+        capture = _Capture(gm, block_nodes(gm, block_paths), cache)
+        forward, backward = _AtenCounter(), _AtenCounter()
+        with forward:
+            outputs = capture.run(*values)
+        with backward:
+            _grads(outputs, list(gm.parameters()))
+        for key, sig in cache.items():
+            if key not in costs:
+                tensors = [sig.flat[i] for i in sig.positions]
+                costs[key] = _trace_cost(_call(sig), _state(sig.module), tensors, mode)
+        blocks = []
+        for node, sig in capture.calls.items():
+            cost, graph = costs[sig.key]
+            blocks.append(BlockCost(cost.forward, cost.backward, capture.block_nodes[node], graph))
+        outside = Cost(forward.counts, backward.counts)
+        return GraphProfile(sum(blocks, outside), blocks, outside, capture.shapes)
+
+    return _fake_or_real(run, inputs)
 
 
 def _fake_or_real(run: Callable[[list, str], Any], inputs: Sequence[torch.Tensor]) -> Any:
@@ -419,26 +430,3 @@ def _fake_or_real(run: Callable[[list, str], Any], inputs: Sequence[torch.Tensor
             return run([mode.from_tensor(t) for t in inputs], "fake")
     except Exception:  # noqa: BLE001 - what fake tensors cannot run runs on real values
         return run([t.detach().clone() for t in inputs], "real")
-
-
-def _profile(
-    gm: fx.GraphModule, fake: list, block_paths: Sequence[str], costs: dict, mode: str
-) -> GraphProfile:
-    """:func:`profile_graph` on ``fake`` (fake tensors, or real ones with ``mode="real"``)."""
-    cache: dict[tuple, _Signature] = {}
-    capture = _Capture(gm, block_nodes(gm, block_paths), cache)
-    forward, backward = _AtenCounter(), _AtenCounter()
-    with forward:
-        outputs = capture.run(*fake)
-    with backward:
-        _grads(outputs, list(gm.parameters()))
-    for key, sig in cache.items():
-        if key not in costs:
-            tensors = [sig.flat[i] for i in sig.positions]
-            costs[key] = _trace_cost(_call(sig), _state(sig.module), tensors, mode)
-    blocks = []
-    for node, sig in capture.calls.items():
-        cost, graph = costs[sig.key]
-        blocks.append(BlockCost(cost.forward, cost.backward, capture.block_nodes[node], graph))
-    outside = Cost(forward.counts, backward.counts)
-    return GraphProfile(sum(blocks, outside), blocks, outside, capture.shapes)

@@ -30,19 +30,10 @@ from typing import Any
 import networkx as nx
 import torch.fx as fx
 
+from tread_fx.inspection.records import STATUSES
 from tread_fx.passes.trace.tracer import MODEL_PREFIX, TensorMeta
 
-__all__ = [
-    "GraphDiff",
-    "Rewire",
-    "diff_graphs",
-    "to_networkx",
-    "node_key",
-    "shape_of",
-    "fmt_shape",
-]
-
-STATUSES = ("added", "removed", "rewired", "resized", "unchanged")
+__all__ = ["GraphDiff", "Rewire", "diff_graphs", "to_networkx", "node_key", "shape_of", "fmt_shape"]
 
 
 @dataclass
@@ -94,20 +85,18 @@ class GraphDiff:
                     "name": n,
                     "role": g.nodes[n]["role"],
                     "target": g.nodes[n]["target"],
-                    "shape": _json_shape(g.nodes[n]["shape"]),
+                    "shape": json_shape(g.nodes[n]["shape"]),
                     "inputs": list(g.nodes[n]["inputs"]),
                 }
                 for n in self.added
             ],
             "removed": list(self.removed),
-            "rewired": [
-                {"name": r.name, "before": r.before, "after": r.after} for r in self.rewired
-            ],
+            "rewired": [dict(vars(r)) for r in self.rewired],
             "resized": [
                 {
                     "name": n,
-                    "before": _json_shape(self.original.nodes[o]["shape"]),
-                    "after": _json_shape(g.nodes[n]["shape"]),
+                    "before": json_shape(self.original.nodes[o]["shape"]),
+                    "after": json_shape(g.nodes[n]["shape"]),
                 }
                 for o, n in self.matches.items()
                 if n in self.resized
@@ -135,8 +124,9 @@ class GraphDiff:
         return "\n".join(lines)
 
 
-def _json_shape(shape: Any) -> Any:
-    return list(shape) if isinstance(shape, tuple) else shape
+def json_shape(shape: Any) -> Any:
+    """A shape as JSON lists (tuples of shapes become lists of lists)."""
+    return [json_shape(s) for s in shape] if isinstance(shape, tuple) else shape
 
 
 def fmt_shape(shape: Any) -> str:
@@ -148,14 +138,10 @@ def fmt_shape(shape: Any) -> str:
     return "-"
 
 
-def _strip(target: str) -> str:
-    return target[len(MODEL_PREFIX) :] if target.startswith(MODEL_PREFIX) else target
-
-
 def target_name(node: fx.Node) -> str:
     """Readable target: module path, ``module.function`` or ``.method``."""
     if node.op in ("call_module", "get_attr"):
-        return _strip(node.target)
+        return node.target.removeprefix(MODEL_PREFIX)
     if node.op == "call_method":
         return f".{node.target}"
     if node.op == "call_function":
@@ -171,12 +157,12 @@ def target_name(node: fx.Node) -> str:
 def module_path(node: fx.Node) -> str:
     """The module a node belongs to (its own path for module calls, ``""`` at top level)."""
     if node.op == "call_module":
-        return _strip(node.target)
+        return node.target.removeprefix(MODEL_PREFIX)
     stack = node.meta.get("nn_module_stack")
     if not stack:
         return ""
     last = list(stack)[-1] if isinstance(stack, dict) else stack[-1]
-    return _strip(last if isinstance(last, str) else str(last))
+    return str(last).removeprefix(MODEL_PREFIX)
 
 
 def node_key(node: fx.Node) -> tuple[str, str, str]:
@@ -245,14 +231,12 @@ def _match(original: nx.DiGraph, routed: nx.DiGraph) -> dict[str, str]:
     for name, attrs in sorted(routed.nodes(data=True), key=lambda item: item[1]["index"]):
         if not attrs["role"]:
             by_key[attrs["key"]].append(name)
-    seen: dict[tuple, int] = defaultdict(int)
+    queues = {key: iter(names) for key, names in by_key.items()}  # matched in order, per key
     matches = {}
     for name, attrs in sorted(original.nodes(data=True), key=lambda item: item[1]["index"]):
-        key = attrs["key"]
-        candidates = by_key.get(key, [])
-        if seen[key] < len(candidates):
-            matches[name] = candidates[seen[key]]
-        seen[key] += 1
+        match = next(queues.get(attrs["key"], iter(())), None)
+        if match is not None:
+            matches[name] = match
     return matches
 
 
@@ -269,9 +253,6 @@ def diff_graphs(
         routed: The rewritten graph.
         original_shapes: Shapes by node name (e.g. from a fake run); default: trace metadata.
         routed_shapes: Same for the routed graph (its metadata inside routes is pre-rewrite).
-
-    Returns:
-        The :class:`GraphDiff`.
     """
     g_orig, g_routed = to_networkx(original, original_shapes), to_networkx(routed, routed_shapes)
     matches = _match(g_orig, g_routed)
@@ -289,19 +270,11 @@ def diff_graphs(
         new = matches[name]
         before = [matches.get(a, a) for a in g_orig.nodes[name]["inputs"]]
         after = list(g_routed.nodes[new]["inputs"])
-        if before != after:
-            diff.rewired.append(Rewire(new, before, after))
-            diff.status[new] = "rewired"
-        elif g_orig.nodes[name]["shape"] != g_routed.nodes[new]["shape"]:
-            diff.resized.append(new)
-            diff.status[new] = "resized"
-        else:
-            diff.unchanged.append(new)
-            diff.status[new] = "unchanged"
-    for g, names in ((g_routed, g_routed.nodes), (g_orig, diff.removed)):
-        for name in names:
-            g.nodes[name]["status"] = diff.status.get(name, "unchanged")
-    for name in g_orig:
-        if name in matches:
-            g_orig.nodes[name]["status"] = diff.status[matches[name]]
+        resized = g_orig.nodes[name]["shape"] != g_routed.nodes[new]["shape"]
+        status = "rewired" if before != after else "resized" if resized else "unchanged"
+        getattr(diff, status).append(Rewire(new, before, after) if status == "rewired" else new)
+        diff.status[new] = status
+    for g, names in ((g_routed, {}), (g_orig, matches)):  # an original node: its match's
+        for name in g:
+            g.nodes[name]["status"] = diff.status.get(names.get(name, name), "unchanged")
     return diff

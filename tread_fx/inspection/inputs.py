@@ -34,27 +34,24 @@ LABEL_NAMES = frozenset({"y", "label", "labels", "class_labels", "class_label", 
 def _pair(value: object) -> tuple[int, int] | None:
     if isinstance(value, int):
         return value, value
-    if (
-        isinstance(value, (tuple, list))
-        and len(value) == 2
-        and all(isinstance(v, int) for v in value)
-    ):
+    pair = isinstance(value, (tuple, list)) and len(value) == 2
+    if pair and all(isinstance(v, int) for v in value):
         return int(value[0]), int(value[1])
     return None
 
 
 def _channels(model: nn.Module, embedder: nn.Module | None) -> int | None:
     proj = getattr(embedder, "proj", None)
+    config = getattr(model, "config", None)
     for source in (
         getattr(proj, "in_channels", None),
         getattr(embedder, "in_chans", None),
         getattr(model, "in_channels", None),
+        getattr(config, "in_channels", None),
     ):
         if isinstance(source, int):
             return source
-    config = getattr(model, "config", None)
-    value = getattr(config, "in_channels", None)
-    return value if isinstance(value, int) else None
+    return None
 
 
 def default_input_shape(model: nn.Module, batch: int = 1) -> tuple[int, ...]:
@@ -115,12 +112,8 @@ def example_inputs(
     dtype = param.dtype if param is not None and param.is_floating_point() else torch.float32
     gen = torch.Generator().manual_seed(seed)
     params = list(inspect.signature(type(model).forward).parameters.values())[1:]
-    required = [
-        p
-        for p in params
-        if p.default is inspect.Parameter.empty
-        and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
-    ]
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    required = [p for p in params if p.default is p.empty and p.kind not in variadic]
     if not required and params:
         required = params[:1]
     args: list[torch.Tensor] = []

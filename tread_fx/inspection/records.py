@@ -34,6 +34,7 @@ __all__ = [
 ]
 
 SCHEMA_VERSION = "tread_fx.explain/1"
+STATUSES = ("added", "removed", "rewired", "resized", "unchanged")  # of a node in the graph diff
 
 
 @dataclass
@@ -45,9 +46,6 @@ class OpCounts:
 
     def __add__(self, other: OpCounts) -> OpCounts:
         return OpCounts(self.ops + other.ops, self.flops + other.flops)
-
-    def __sub__(self, other: OpCounts) -> OpCounts:
-        return OpCounts(self.ops - other.ops, self.flops - other.flops)
 
     @property
     def num_ops(self) -> int:
@@ -69,9 +67,6 @@ class Cost:
 
     def __add__(self, other: Cost) -> Cost:
         return Cost(self.forward + other.forward, self.backward + other.backward)
-
-    def __sub__(self, other: Cost) -> Cost:
-        return Cost(self.forward - other.forward, self.backward - other.backward)
 
 
 @dataclass
@@ -197,16 +192,11 @@ def _arr(items: dict[str, Any]) -> dict[str, Any]:
 
 
 _NUM = {"type": "integer"}
+_FLOAT = {"type": "number"}
 _STR = {"type": "string"}
 _SHAPE = {"type": ["array", "null"]}
 _COST = _obj({"forward": _NUM, "backward": _NUM, "total": _NUM})
-_TYPES = {
-    "int": _NUM,
-    "float": {"type": "number"},
-    "str": _STR,
-    "Any": _SHAPE,
-    "list[str]": _arr(_STR),
-}
+_TYPES = {"int": _NUM, "float": _FLOAT, "str": _STR, "Any": _SHAPE, "list[str]": _arr(_STR)}
 
 
 def _record(cls: type, **special: Any) -> dict[str, Any]:
@@ -226,11 +216,7 @@ SCHEMA: dict[str, Any] = _obj(
             {
                 "shape": _arr(_NUM),
                 "dtype": _STR,
-                "batch_dim": _NUM,
-                "token_dim": _NUM,
-                "num_tokens": _NUM,
-                "prefix": _NUM,
-                "suffix": _NUM,
+                **dict.fromkeys(("batch_dim", "token_dim", "num_tokens", "prefix", "suffix"), _NUM),
                 "grid": _SHAPE,
                 "selection": _STR,
                 "enters_at": _STR,
@@ -264,8 +250,8 @@ SCHEMA: dict[str, Any] = _obj(
                 "original": _COST,
                 "routed": _COST,
                 "outside": _obj({"original": _COST, "routed": _COST}),
-                "speedup": {"type": "number"},
-                "forward_speedup": {"type": "number"},
+                "speedup": _FLOAT,
+                "forward_speedup": _FLOAT,
                 "aten_ops": _obj({"original": {"type": "object"}, "routed": {"type": "object"}}),
                 "aten_delta": {"type": "object"},
             },
@@ -275,9 +261,7 @@ SCHEMA: dict[str, Any] = _obj(
         "auto_leaves": {"type": "object"},
         "diff": _obj(
             {
-                "counts": _obj(
-                    {k: _NUM for k in ("added", "removed", "rewired", "resized", "unchanged")}
-                ),
+                "counts": _obj(dict.fromkeys(STATUSES, _NUM)),
                 "added": _arr({"type": "object"}),
                 "removed": _arr(_STR),
                 "rewired": _arr({"type": "object"}),

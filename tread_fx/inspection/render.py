@@ -6,7 +6,7 @@ scatter) are highlighted, rewired and resized nodes tinted, and edges carry tens
 Nodes holding Python values (shape arithmetic) are hidden unless ``full=True``.
 
 DOT is plain text (no binary needed); SVG needs Graphviz's ``dot``; the HTML page lays the
-graphs out itself (:mod:`tread_fx.inspection.layout`) and is one self-contained file.
+graphs out itself (:func:`layered_layout`) and is one self-contained file.
 
 Example:
     >>> import tread_fx
@@ -28,10 +28,9 @@ import networkx as nx
 
 from tread_fx.errors import GraphvizNotFoundError
 from tread_fx.inspection.graphdiff import fmt_shape
-from tread_fx.inspection.layout import NODE_H, NODE_W, layered_layout, spine_of
 from tread_fx.inspection.report import Explanation, Style, fmt_flops, side_input_cells
 
-__all__ = ["to_dot", "to_svg", "to_html", "graph_views", "GraphView"]
+__all__ = ["to_dot", "to_svg", "to_html", "graph_views", "GraphView", "layered_layout", "spine_of"]
 
 FILL = {
     "noise": "#e0e0e0",
@@ -80,27 +79,20 @@ def _label(attrs: dict, name: str, inputs: dict[str, str]) -> list[str]:
         first = f"{attrs['target']} ({attrs['cls']})" if attrs["cls"] else attrs["target"]
     elif op == "call_function":
         first = attrs["target"].rsplit(".", 1)[-1]
-    elif op == "call_method":
-        first = attrs["target"]
     else:
-        first = attrs["target"] if op == "get_attr" else op
+        first = attrs["target"] if op in ("call_method", "get_attr") else op
     second = _shape_label(attrs["shape"])
     return [first, f"{name}  {second}".strip() if first != name else second]
 
 
-def _visible(g: nx.DiGraph, full: bool) -> nx.DiGraph:
-    keep = [n for n, a in g.nodes(data=True) if full or not a["python"]]
-    return g.subgraph(keep).copy()
-
-
 def _view(exp: Explanation, which: str, full: bool) -> GraphView:
     diff = exp.diff
-    g = _visible(diff.routed if which == "routed" else diff.original, full)
+    g = diff.routed if which == "routed" else diff.original
+    g = g.subgraph([n for n, a in g.nodes(data=True) if full or not a["python"]]).copy()
     view = GraphView(which, g)
     for name, attrs in g.nodes(data=True):
         view.labels[name] = _label(attrs, name, exp.input_names)
-        status = attrs.get("status", "unchanged")
-        view.kinds[name] = attrs["role"] if attrs["role"] else status
+        view.kinds[name] = attrs["role"] or attrs.get("status", "unchanged")
     back = {v: k for k, v in diff.matches.items()}
     as_here = (lambda n: n) if which == "routed" else (lambda n: back.get(n))
     block_names = [b.node_routed if which == "routed" else b.node_original for b in exp.blocks]
@@ -230,14 +222,118 @@ def to_svg(exp: Explanation, full: bool = False, dot_binary: str = "dot") -> str
     return result.stdout
 
 
-# -- HTML ---------------------------------------------------------------------------------------
+# -- HTML: a layered layout (no Graphviz), each side as SVG, one page ---------------------------
+
+NODE_W, NODE_H, GAP_X, GAP_Y = 190, 40, 40, 34
+
+
+def _layers(g: nx.DiGraph) -> dict[str, int]:
+    """Longest path from the inputs, then every node pulled down next to its first user."""
+    layer: dict[str, int] = {}
+    order = list(nx.topological_sort(g))
+    for n in order:
+        layer[n] = max((layer[p] + 1 for p in g.predecessors(n)), default=0)
+    for n in reversed(order):
+        if g.out_degree(n) > 0:
+            layer[n] = min(layer[s] for s in g.successors(n)) - 1
+    low = min(layer.values())
+    return {n: v - low for n, v in layer.items()}
+
+
+def _order(g: nx.DiGraph, rows: list[list[str]], sweeps: int = 4) -> None:
+    index = {n: i for row in rows for i, n in enumerate(row)}
+
+    def center(n: str, down: bool) -> float:
+        near = list(g.predecessors(n) if down else g.successors(n))
+        return sum(index[m] for m in near) / len(near) if near else index[n]
+
+    for sweep in range(sweeps):
+        down = sweep % 2 == 0
+        for row in rows if down else reversed(rows):
+            row.sort(key=lambda n, down=down: center(n, down))
+            index.update({n: i for i, n in enumerate(row)})
+
+
+def _keep_groups_apart(rows: list[list[str]], x: dict, layer: dict, groups: list[set]) -> None:
+    """Shift non-members right of each group's box (innermost group first)."""
+    step = NODE_W + GAP_X
+    for members in groups:
+        inside = [n for n in members if n in x]
+        if not inside:
+            continue
+        right = max(x[n] for n in inside) + step
+        top, bottom = min(layer[n] for n in inside), max(layer[n] for n in inside)
+        for row in rows[top : bottom + 1]:
+            placed = None
+            for n in row:
+                if n not in members:
+                    x[n] = max(x[n], right, -1e9 if placed is None else placed + step)
+                placed = x[n]
+
+
+def spine_of(g: nx.DiGraph, source: str, target: str) -> list[str]:
+    """The longest path from ``source`` to ``target`` (the main data flow), or ``[]``."""
+    if source not in g or target not in g or not nx.has_path(g, source, target):
+        return []
+    between = (nx.descendants(g, source) | {source}) & (nx.ancestors(g, target) | {target})
+    return nx.dag_longest_path(g.subgraph(between))
+
+
+def layered_layout(
+    g: nx.DiGraph,
+    order_key: dict[str, int] | None = None,
+    groups: list[set] | None = None,
+    spine: list[str] | None = None,
+) -> dict[str, tuple]:
+    """Positions ``{node: (x, y)}`` (top-left corner of a ``NODE_W x NODE_H`` box) for a DAG.
+
+    Nodes go on layers by longest path from the inputs, are ordered by barycenter sweeps and
+    placed under their first input (the ``inputs`` attribute), so the stream runs straight down.
+
+    Args:
+        g: The graph (acyclic).
+        order_key: Initial order within layers (e.g. the fx node index); default: name.
+        groups: Node sets drawn as boxes, innermost first (nested or disjoint); their members
+            go left in each layer and other nodes are kept out of their boxes.
+        spine: Nodes drawn as one straight column on the left (see :func:`spine_of`).
+
+    Example:
+        >>> pos = layered_layout(nx.DiGraph([("a", "b"), ("b", "c"), ("a", "c")]))
+        >>> pos["a"][1] < pos["b"][1] < pos["c"][1]
+        True
+    """
+    if g.number_of_nodes() == 0:
+        return {}
+    groups = groups or []
+    layer = _layers(g)
+    rows: list[list[str]] = [[] for _ in range(max(layer.values()) + 1)]
+    key = order_key or {}
+    for n in sorted(g, key=lambda n: (key.get(n, 0), n)):
+        rows[layer[n]].append(n)
+    _order(g, rows)
+    on_spine = set(spine or ())
+    rank = {n: next((i for i, grp in enumerate(groups) if n in grp), len(groups)) for n in g}
+    rank.update({n: -1 for n in on_spine})
+    for row in rows:
+        row.sort(key=lambda n: rank[n])
+    step = NODE_W + GAP_X
+    x: dict[str, float] = {}
+    for row in rows:
+        placed = -step
+        for n in row:
+            first = [p for p in g.nodes[n].get("inputs", ()) if p in x]
+            preds = [x[first[0]]] if first else [x[p] for p in g.predecessors(n) if p in x]
+            want = sum(preds) / len(preds) if preds else placed + step
+            x[n] = 0.0 if n in on_spine else max(want, placed + step, step if on_spine else 0)
+            placed = x[n]
+    _keep_groups_apart(rows, x, layer, groups)
+    shift = min(x.values())
+    return {n: (x[n] - shift, layer[n] * (NODE_H + GAP_Y)) for n in g}
 
 
 def _svg_side(view: GraphView) -> str:
     g = view.graph
-    inner_first = [grp.members for grp in view.groups if grp.parent] + [
-        grp.members for grp in view.groups if not grp.parent
-    ]
+    inner_first = [grp.members for grp in sorted(view.groups, key=lambda grp: not grp.parent)]
     by_index = sorted(g, key=lambda n: g.nodes[n]["index"])
     sources = [n for n in by_index if g.nodes[n]["op"] == "placeholder"]
     spine = spine_of(g, sources[0], by_index[-1]) if sources else []
@@ -357,9 +453,8 @@ def _summary(exp: Explanation) -> str:
     ]
     if exp.flops is not None:
         f = exp.flops
-        rows.append(
-            ["FLOPs fwd+bwd", f"{fmt_flops(f.original.flops)} -> {fmt_flops(f.routed.flops)}"]
-        )
+        flops = f"{fmt_flops(f.original.flops)} -> {fmt_flops(f.routed.flops)}"
+        rows.append(["FLOPs fwd+bwd", flops])
         rows.append(["predicted speed-up", f"{f.speedup:.2f}x (forward {f.forward_speedup:.2f}x)"])
     rows.append(["graph diff", ", ".join(f"{k} {v}" for k, v in exp.diff.counts().items())])
     parts.append(_rows(rows, header=False))

@@ -23,7 +23,7 @@ from typing import Any
 import torch.fx as fx
 
 from tread_fx.config import RoutingConfig
-from tread_fx.inspection.graphdiff import GraphDiff, fmt_shape
+from tread_fx.inspection.graphdiff import GraphDiff, fmt_shape, json_shape
 from tread_fx.inspection.guards import Guard
 from tread_fx.inspection.records import (
     SCHEMA,
@@ -87,12 +87,6 @@ class Explanation:
 # -- JSON ---------------------------------------------------------------------------------------
 
 
-def _shape(shape: Any) -> Any:
-    if isinstance(shape, tuple):
-        return [_shape(s) for s in shape]
-    return shape
-
-
 def _cost(cost: Cost) -> dict[str, int]:
     return {"forward": cost.forward.flops, "backward": cost.backward.flops, "total": cost.flops}
 
@@ -133,8 +127,8 @@ def _route(route: RouteReport) -> dict[str, Any]:
     lists = ("inserted", "side_inputs", "region")
     return {
         **{k: v for k, v in vars(route).items() if k not in lists},
-        "inserted": [{**n.__dict__, "shape": _shape(n.shape)} for n in route.inserted],
-        "side_inputs": [{**v.__dict__, "shape": _shape(v.shape)} for v in route.side_inputs],
+        "inserted": [{**n.__dict__, "shape": json_shape(n.shape)} for n in route.inserted],
+        "side_inputs": [{**v.__dict__, "shape": json_shape(v.shape)} for v in route.side_inputs],
     }
 
 
@@ -162,16 +156,8 @@ def to_dict(exp: Explanation) -> dict[str, Any]:
 class Style:
     """ANSI styling that becomes a no-op when colour is off."""
 
-    CODES = {
-        "bold": "1",
-        "dim": "2",
-        "red": "31",
-        "green": "32",
-        "yellow": "33",
-        "blue": "34",
-        "magenta": "35",
-        "cyan": "36",
-    }
+    COLORS = ("red", "green", "yellow", "blue", "magenta", "cyan")  # SGR codes 31..36
+    CODES = {"bold": "1", "dim": "2", **{c: str(31 + i) for i, c in enumerate(COLORS)}}
 
     def __init__(self, color: bool) -> None:
         self.color = color
@@ -223,13 +209,8 @@ def side_input_cells(value: SideInput, s: Style) -> list[str]:
 
 def _cost_cells(a: Cost, b: Cost) -> list[str]:
     """Forward and forward + backward FLOPs of both graphs, then their forward ATen ops."""
-    return [
-        fmt_flops(a.forward.flops),
-        fmt_flops(b.forward.flops),
-        fmt_flops(a.flops),
-        fmt_flops(b.flops),
-        f"{a.forward.num_ops} / {b.forward.num_ops}",
-    ]
+    flops = (a.forward.flops, b.forward.flops, a.flops, b.flops)
+    return [*map(fmt_flops, flops), f"{a.forward.num_ops} / {b.forward.num_ops}"]
 
 
 def _choice_lines(choice: dict[str, Any] | None, s: Style) -> list[str]:
@@ -345,8 +326,7 @@ def format_report(exp: Explanation, color: bool = False) -> str:
             "  (the graph below is what strict=False would do)",
         ]
     lines.append(s("Block stack", "bold"))
-    for st in exp.stacks:
-        lines.append(f"  {st['path']}: {st['count']} x {st['class']}")
+    lines += [f"  {st['path']}: {st['count']} x {st['class']}" for st in exp.stacks]
     if exp.candidates:
         lines.append("  also considered: " + ", ".join(exp.candidates))
     st = exp.stream

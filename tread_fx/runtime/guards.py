@@ -1,18 +1,15 @@
 """Runtime guards for values the tracer read from tensor data.
 
-When the model's own forward turns tensor *data* into Python (``if mask.any():``,
-``n = lengths.max().item()``), the tracer resolves it with the traced inputs' value and
-inserts :func:`check_traced_value` into the routed graph: every call recomputes the value
-from its inputs and checks it against the traced one. A mismatch raises a ``RuntimeError``
-carrying :data:`GUARD_MARK` and the file and line; ``route()`` then traces again for those
-inputs (eager) or raises a clear error (compiled).
+When the model's forward turns tensor *data* into Python (``if mask.any():``, ``n =
+lengths.max().item()``), the tracer resolves it with the traced inputs' value and inserts
+:func:`check_traced_value` into the routed graph, which recomputes the value on every call.
+A mismatch raises a ``RuntimeError`` carrying :data:`GUARD_MARK` and the file and line;
+``route()`` then traces again for those inputs (eager) or raises a clear error (compiled).
 
-The check never asserts on the device (a failed CUDA device assert poisons the context, and
-the re-trace could not run): it is the custom op ``tread_fx::check_guard``, which reads the
-comparison on the host and raises there. On CPU that read is free; on CUDA it is one
-device-to-host copy of a bool, a synchronisation, per guard per routed call (only models whose
-own forward reads tensor data have guards). The op is opaque to ``torch.compile``, so
-``fullgraph=True`` compiles around it without a graph break.
+The check never asserts on the device (a failed CUDA assert poisons the context, and the
+re-trace could not run): the custom op ``tread_fx::check_guard`` reads the comparison on the
+host (on CUDA one synchronising bool copy per guard per routed call) and raises there. It is
+opaque to ``torch.compile``, so ``fullgraph=True`` compiles around it without a graph break.
 
 Example:
     >>> import torch

@@ -1,14 +1,12 @@
 """The uniform noise that selections are drawn from, seeded or not, eager or compiled.
 
 ``seed=None`` draws from torch's global RNG (``torch.rand``, which ``torch.compile`` traces).
-A seed gives every device its own ``torch.Generator``; a generator argument is something
-dynamo cannot trace, so under ``torch.compile`` the draw goes through one opaque custom op,
-``tread_fx::seeded_noise``, that draws from the same generator: the compiled and the eager
-model select the same tokens, ``fullgraph=True`` holds and nothing recompiles across steps.
-All of a call's noise is one flat draw (split per route afterwards), so the op runs once per
-call and its draws keep their order.
-
-A :class:`NoiseSource` pickles as its seed and its generators' states.
+A seed gives every device its own ``torch.Generator``, which dynamo cannot trace: under
+``torch.compile`` the draw goes through the opaque custom op ``tread_fx::seeded_noise`` on
+the same generator, so compiled and eager models select the same tokens, ``fullgraph=True``
+holds and nothing recompiles across steps. A call's noise is one flat draw (split per route
+afterwards), so the op runs once per call and its draws keep their order. A
+:class:`NoiseSource` pickles as its seed and its generators' states.
 
 Example:
     >>> import torch

@@ -26,17 +26,22 @@ __all__ = [
     "blend_tokens",
     "routed_mask",
     "call_in_fp32",
+    "token_index",
 ]
 
 
-def _token_index(idx: torch.Tensor, like: torch.Tensor, token_dim: int) -> torch.Tensor:
-    """Lay ``idx`` [B, k] out along (batch, token) dims of ``like`` and expand the rest."""
-    if token_dim == 0:
-        idx = idx.transpose(0, 1)
+def token_index(
+    idx: torch.Tensor, like: torch.Tensor, token_dim: int, batch_dim: int | None = None
+) -> torch.Tensor:
+    """Lay ``idx`` [B, k] out along the batch and token dims of ``like`` (the batch dim is
+    the other of dims 0 and 1 unless given) and expand the rest: a ``gather`` index."""
+    batch_dim = 1 - token_dim if batch_dim is None else batch_dim
+    view = [1] * like.dim()
+    view[batch_dim], view[token_dim] = idx.shape
     shape = list(like.shape)
-    shape[token_dim] = idx.shape[token_dim]
-    view = list(idx.shape) + [1] * (like.dim() - 2)
-    return idx.reshape(view).expand(shape)
+    shape[token_dim] = idx.shape[1]
+    ordered = idx if batch_dim < token_dim else idx.transpose(0, 1)
+    return ordered.reshape(view).expand(shape)
 
 
 def gather_tokens(x: torch.Tensor, idx: torch.Tensor, token_dim: int = 1) -> torch.Tensor:
@@ -48,7 +53,7 @@ def gather_tokens(x: torch.Tensor, idx: torch.Tensor, token_dim: int = 1) -> tor
     """
     if idx.shape[1] == x.shape[token_dim]:
         return x
-    return torch.gather(x, token_dim, _token_index(idx, x, token_dim))
+    return torch.gather(x, token_dim, token_index(idx, x, token_dim))
 
 
 def scatter_tokens(
@@ -60,7 +65,7 @@ def scatter_tokens(
     through it (the identity skip); the dtype is the promotion of both.
     """
     dtype = torch.promote_types(base.dtype, src.dtype)
-    index = _token_index(idx, src, token_dim)
+    index = token_index(idx, src, token_dim)
     # Every token written back (rate 0): keep base's strides, so that later reductions sum
     # alike and the result is bitwise the unrouted one. Otherwise take the contiguous layout,
     # as gather gives the routed blocks: a stream that the model keeps transposed (timm's

@@ -3,10 +3,9 @@
 A packed stream holds several samples (segments) concatenated along one token axis, with no
 batch dim; the blocks learn the boundaries from cumulative offsets (``cu_seqlens`` [S + 1])
 or from one segment id per token ([T]). A route keeps a fixed total of ``keep`` tokens
-(shapes stay static, so ``torch.compile`` sees no data-dependent size), spread over the
-segments in proportion to their lengths: each segment keeps its own share
-``len * (1 - rate)`` rounded to a neighbouring whole token, chosen uniformly at random
-within the segment and in ascending order, so tokens never move between segments.
+(static shapes for ``torch.compile``), spread over the segments in proportion to their
+lengths: each keeps ``len * (1 - rate)`` rounded to a neighbouring whole token, chosen
+uniformly at random within it and in ascending order, so tokens never change segments.
 
 Example:
     >>> import torch

@@ -1,10 +1,9 @@
 """Token selection strategies: which tokens a route keeps.
 
-A strategy splits the routable tokens into *units* (single tokens for ``"random"``, whole
-rows of the patch grid for ``"rows"``) and keeps ``units - floor(units * rate)`` of them,
-chosen uniformly at random per sample and per step, in ascending order. The randomness is
-drawn outside the graph (``noise`` [B, units], uniform) so the routed graph is a pure
-function of its inputs: seeded runs are reproducible and ``torch.compile`` sees no RNG.
+A strategy splits the routable tokens into *units* (tokens for ``"random"``, rows of the
+patch grid for ``"rows"``) and keeps ``units - floor(units * rate)`` of them, uniformly at
+random per sample and step, ascending. The noise is drawn outside the graph (``noise`` [B,
+units]), so the routed graph is a pure function of its inputs (reproducible when seeded).
 
 Example:
     >>> import torch
@@ -55,8 +54,7 @@ class Strategy:
     select: Callable[..., torch.Tensor]
 
     def __reduce__(self) -> tuple:
-        """Pickle by registered name (a routed model pickles; a loading process must have
-        registered the same strategies, which the built-in ones are)."""
+        """Pickle by registered name (a loading process must have registered it too)."""
         return (get_strategy, (self.name,))
 
 

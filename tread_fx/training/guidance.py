@@ -1,10 +1,10 @@
 """Inference with routing: forced routing in eval mode and sparse (self-)guidance.
 
-Routing is for training; eval runs the original forward. Two inference uses of a routed
-forward exist: the authors' "TREAD guidance" (two routed passes at different rates combined
-like classifier-free guidance) and self-guidance (full forward vs a routed one). In the
-authors' code both guidance passes are unconditional, which looks like a bug; here both
-branches get the same (conditional) inputs, as in their later Sparse Guidance paper.
+Routing is for training; eval runs the original forward. A routed forward serves inference
+in the authors' "TREAD guidance" (two routed passes at different rates combined like
+classifier-free guidance) and in self-guidance (full forward vs a routed one). Both branches
+get the same (conditional) inputs, as in the authors' later Sparse Guidance paper (in their
+code both are unconditional, which looks like a bug).
 
 Example:
     >>> import torch, tread_fx

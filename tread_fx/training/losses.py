@@ -1,12 +1,11 @@
 """Losses for TREAD training: full-token (default), masked per route, MaskDiT reconstruction.
 
-The authors' final code trains with the ordinary diffusion loss on all output tokens
-(:func:`full_token_loss`). Their first release used, per route, the denoising loss on the
-tokens the route processed only, averaged over routes (:func:`masked_denoising_loss`), plus
-an optional MaskDiT-style reconstruction term on the routed-around tokens
-(:func:`reconstruction_loss`). :func:`tread_loss` combines them. Token-level losses start
-from a per-pixel loss pooled through the patch size (:func:`patch_loss`), in the same
-row-major token order as timm's ``PatchEmbed``.
+The authors' final code uses the ordinary diffusion loss on all output tokens
+(:func:`full_token_loss`); their first release used, per route, the loss on the tokens the
+route processed, averaged over routes (:func:`masked_denoising_loss`), plus an optional
+MaskDiT-style term on the routed-around tokens (:func:`reconstruction_loss`).
+:func:`tread_loss` combines them; token-level losses pool a per-pixel loss through the patch
+size (:func:`patch_loss`), in timm ``PatchEmbed``'s row-major token order.
 
 Example:
     >>> import torch, tread_fx
@@ -99,18 +98,14 @@ def _per_route(per_token: torch.Tensor, infos, weight: torch.Tensor | None, proc
 
 
 def masked_denoising_loss(
-    per_token: torch.Tensor,
-    infos: Sequence[RouteInfo],
-    weight: torch.Tensor | None = None,
+    per_token: torch.Tensor, infos: Sequence[RouteInfo], weight: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Per route, the mean loss over the tokens it processed; averaged over routes."""
     return _per_route(per_token, infos, weight, processed=True)
 
 
 def reconstruction_loss(
-    per_token: torch.Tensor,
-    infos: Sequence[RouteInfo],
-    weight: torch.Tensor | None = None,
+    per_token: torch.Tensor, infos: Sequence[RouteInfo], weight: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Per route, the mean loss over the routed-around tokens (MaskDiT's MAE term)."""
     return _per_route(per_token, infos, weight, processed=False)

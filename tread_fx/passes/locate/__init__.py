@@ -5,8 +5,7 @@ the chosen one and the slots the token stream takes through them, :mod:`.dims` t
 batch and token dims (packed and token-major streams too) and its never-routed prefix and
 suffix. :mod:`.choice` chooses which stream to route when several are carried (asking
 :mod:`.positions` which positions reach the output, and whether data decides them) and
-reports a stack that holds few of the blocks. :mod:`.member_entry` finds where the stream
-enters a member that is a list of sub-blocks, :mod:`.layout` the stream's layout across
-chained lists (for the plan stage); :mod:`.dataflow` holds the graph walks and call slots
-they share.
+reports a stack that holds few of the blocks. :mod:`.layout` finds the stream's layout across
+chained lists and where it enters a member that is a list of sub-blocks (for the plan stage);
+:mod:`.dataflow` holds the graph walks and call slots they share.
 """

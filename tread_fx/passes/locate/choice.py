@@ -155,10 +155,7 @@ def _stream_input(traced: TracedCall, model: nn.Module, stream: str | int) -> fx
 def _candidates(graph: fx.Graph, calls: dict) -> list[fx.Node]:
     """Tensor inputs (rank >= 2) that feed a block; the shape-matched main input first."""
     first = main_input(graph)
-    starts = [nodes[0] for nodes in calls.values() if nodes]
-    feeding: set = set()
-    for node in starts:
-        feeding |= data_ancestors(node, set())
+    feeding = set().union(*(data_ancestors(nodes[0], set()) for nodes in calls.values() if nodes))
     inputs = [
         n
         for n in graph.nodes
@@ -171,9 +168,8 @@ def _candidates(graph: fx.Graph, calls: dict) -> list[fx.Node]:
 
 
 def _hands_on(info: StreamInfo, block_nodes: set[fx.Node]) -> bool:
-    """The candidate's stream is fed by its input directly (not only through other blocks:
-    position ids feed every block's RoPE table, so a later list's stream descends from
-    them through the earlier blocks) and handed from block to block."""
+    """The candidate's stream is fed by its input directly (not only through other blocks, as
+    position ids feeding every block's RoPE table) and handed from block to block."""
     first = info.blocks[0]
     if not fed_by(first.stream_in, info.primary, block_nodes):
         return False
@@ -181,12 +177,8 @@ def _hands_on(info: StreamInfo, block_nodes: set[fx.Node]) -> bool:
 
 
 def _block_steps(info: StreamInfo, calls: dict) -> dict:
-    """For the position walk: each block hands the span on from its stream argument only.
-
-    Blocks of the other lists (not in this candidate's stack) hand it on from the argument
-    their list carries from block to block; a value they only read (a cross-attention
-    context) does not pass its positions on.
-    """
+    """For the position walk: each block hands the span on from its stream argument only;
+    blocks of the other lists, from the argument their list carries from block to block."""
 
     def step_for(block):
         def step(node: fx.Node, span: object) -> object:
@@ -229,32 +221,26 @@ def _other_block_step(call: fx.Node, carried: set | None):
 
 
 def _reaches(info: StreamInfo, calls: dict) -> bool:
-    lo, hi = info.prefix, info.num_tokens - info.suffix
-    if info.batch_dim == -1 or hi <= lo:  # packed streams: positions are not followed
+    layout = info.layout
+    if layout.batch_dim == -1 or layout.routable <= 0:  # packed: positions are not followed
         return True
-    span = Span(lo, hi, info.token_dim, info.num_tokens)
+    lo, n = layout.prefix, layout.num_tokens
+    span = Span(lo, n - layout.suffix, layout.token_dim, n)
     return reaches_output(info.blocks[0].stream_in, span, _block_steps(info, calls))
 
 
 def _key(info: StreamInfo) -> tuple:
-    return tuple(info.list_paths), info.blocks[0].in_slot, info.prefix, info.suffix
-
-
-def _routable(info: StreamInfo) -> int:
-    return info.num_tokens - info.prefix - info.suffix
+    return tuple(info.list_paths), info.blocks[0].in_slot, info.layout.prefix, info.layout.suffix
 
 
 def _describe(model: nn.Module, info: StreamInfo) -> str:
     shape = list(info.stream_meta.shape)
-    where = f"positions {info.prefix}..{info.num_tokens - info.suffix}"
+    layout = info.layout
+    where = f"positions {layout.prefix}..{layout.num_tokens - layout.suffix}"
     return (
-        f"input {input_label(model, info.primary)!r}: {_routable(info)} tokens ({where} of "
+        f"input {input_label(model, info.primary)!r}: {layout.routable} tokens ({where} of "
         f"{shape} entering {info.blocks[0].path})"
     )
-
-
-def _option(model: nn.Module, info: StreamInfo) -> str:
-    return repr(input_label(model, info.primary))
 
 
 def choose_stream(
@@ -299,9 +285,7 @@ def choose_stream(
 def _own_streams(reaching: list[StreamInfo], first: StreamInfo) -> list[StreamInfo]:
     """Drop a reaching candidate whose stack is a proper part of the stack of ``first`` (the
     input shaped like the prediction), when that one reaches too: its stream is the first's
-    continued (joined by its own tokens, e.g. text written into a buffer after an image
-    refiner), not a stream of its own. (The other way round, a text refiner chain that
-    contains the image stack, does not count: the token rule and the warning decide.)"""
+    continued (e.g. text written into a buffer after an image refiner), not its own."""
     if first not in reaching:
         return reaching
     own = set(first.list_paths)
@@ -332,9 +316,9 @@ def _decide(model: nn.Module, infos: list[StreamInfo], reaching: list[StreamInfo
             "reach the model's output"
         )
     else:
-        most = max(_routable(info) for info in reaching)
-        chosen = next(info for info in reaching if _routable(info) == most)
-        tied = sum(_routable(info) == most for info in reaching) > 1
+        most = max(info.layout.routable for info in reaching)
+        chosen = next(info for info in reaching if info.layout.routable == most)
+        tied = sum(info.layout.routable == most for info in reaching) > 1
         reason = (
             "the rule: most selectable tokens, then the input shaped like the first output, "
             "then the forward's argument order"
@@ -345,8 +329,8 @@ def _decide(model: nn.Module, infos: list[StreamInfo], reaching: list[StreamInfo
         reason,
         [_describe(model, info) for info in infos],
         guessed=guessed,
-        option=_option(model, chosen),
-        others=[_option(model, info) for info in reaching if info is not chosen],
+        option=repr(input_label(model, chosen.primary)),
+        others=[repr(input_label(model, i.primary)) for i in reaching if i is not chosen],
     )
     return chosen
 
@@ -359,8 +343,8 @@ def thin_stack(
     keep_prefix: int | None,
 ) -> str | None:
     """A warning (with the count and a ``blocks=`` that covers more) when ``info``, located
-    without ``blocks=``, holds under half the blocks of ``list_paths`` that carry the stream;
-    ``None`` when it does not. ``keep_prefix`` checks the suggested ``blocks=``."""
+    without ``blocks=``, holds under half the blocks of ``list_paths`` that carry the stream
+    (else ``None``). ``keep_prefix`` checks the suggested ``blocks=``."""
     calls = block_calls(traced, list_paths)
     carrying = carrying_lists(model, calls, info.primary)
     loose = _loose_blocks(model, carrying, list_paths)
@@ -394,8 +378,7 @@ def thin_stack(
 
 
 def _loose_blocks(model: nn.Module, carrying: list[str], list_paths: list[str]) -> list[str]:
-    """Modules of a carrying list's block class that sit outside every block list (U-ViT's
-    mid block): they carry the stream too, though no list holds them."""
+    """Modules of a carrying list's block class outside every block list (U-ViT's mid block)."""
     classes = {type(m) for p in carrying for m in model.get_submodule(p).children()}
     inside = tuple(f"{p}." for p in list_paths)
     return [

@@ -35,6 +35,7 @@ __all__ = [
     "fed_by",
     "nodes_in",
     "tensor_meta",
+    "tensor_shape",
     "int_value",
     "argument_items",
     "argument_name",
@@ -78,6 +79,12 @@ def tensor_meta(node: object) -> TensorMeta | None:
     """The recorded ``TensorMeta`` of a node's value (``None``: not a node, not a tensor)."""
     meta = node.meta.get("tread_meta") if isinstance(node, fx.Node) else None
     return meta if isinstance(meta, TensorMeta) else None
+
+
+def tensor_shape(node: object) -> tuple | None:
+    """The recorded shape of a node's tensor value (``None``: not a node, not a tensor)."""
+    meta = tensor_meta(node)
+    return meta.shape if meta is not None else None
 
 
 def int_value(value: object) -> int | None:

@@ -236,13 +236,9 @@ def packed_layout(shape: tuple) -> tuple[int, int, int, int]:
 def _check_one_packed_stream(
     block: fx.Node, module: Any, path: str, stream: fx.Node, primary: fx.Node
 ) -> None:
-    """Refuse a first block that receives several packed streams fed by the main input.
-
-    A model that writes its noisy tokens into a joint buffer at positions held in index
-    tensors (``buf[idx] = tokens``) and hands the blocks slices of it (an understanding
-    and a generation pathway) feeds every slice from the noisy input: which slice holds
-    the noisy tokens depends on the index values, which data flow cannot tell.
-    """
+    """Refuse a first block that receives several packed streams fed by the main input (slices
+    of a joint buffer the noisy tokens were written into by index: which slice holds them
+    depends on the index values, which data flow cannot tell)."""
     meta = tensor_meta(stream)
     streams = [
         (key, node)
@@ -312,11 +308,9 @@ def joint_parts(
     token_dim: int,
     num_tokens: int,
 ) -> tuple[int, int]:
-    """``(prefix, suffix)``: leading and trailing tokens of the stream ``stream0`` entering
-    the first block that are never routed. The suffix is always detected; the prefix is the
-    user's ``keep_prefix``, else the model's ``num_prefix_tokens`` (as timm's declare it)
-    where a concatenation along the token dim builds the stream, else detected.
-    """
+    """``(prefix, suffix)``: never-routed leading and trailing tokens of the stream ``stream0``
+    entering the first block. The suffix is detected; the prefix is ``keep_prefix``, else the
+    model's ``num_prefix_tokens`` where a concatenation builds the stream, else detected."""
     prefix, suffix = _parts_from_concat(stream0, primary, token_dim, num_tokens)
     declared = getattr(model, "num_prefix_tokens", None)
     if keep_prefix is not None:
@@ -333,9 +327,8 @@ def joint_parts(
 
 
 def _concatenated(stream0: fx.Node, token_dim: int, num_tokens: int) -> bool:
-    """Whether a concatenation along the token dim builds the stream: without one, every
-    position is computed alike from the main input, and a declared prefix (CaiT's and
-    ConViT's class token, added only before their later blocks) is not in this stream."""
+    """Whether a concatenation along the token dim builds the stream (else a declared prefix,
+    CaiT's class token added only before its later blocks, is not in this stream)."""
     upstream = data_ancestors(stream0, set()) | {stream0}
     return any(_concat_parts(n, token_dim, num_tokens) is not None for n in upstream)
 
@@ -343,14 +336,10 @@ def _concatenated(stream0: fx.Node, token_dim: int, num_tokens: int) -> bool:
 def _parts_from_concat(
     stream0: fx.Node, primary: fx.Node, token_dim: int, num_tokens: int
 ) -> tuple[int, int]:
-    """Count tokens concatenated in front of (cls, registers) and behind (text) the tokens
-    computed from ``primary``, in a concatenation along the token dim that builds the stream.
-
-    Parts computed from the main input are image tokens; the parts before the first of them
-    are the prefix, the parts after the last of them the suffix. The concatenation nearest
-    to the stream decides. Concatenations may nest (``cat([long, cat([mid, cat([short,
-    x])])])``, history frames added one group at a time): a single image part that is itself
-    such a concatenation is searched in turn, and the counts of every level add up.
+    """Count tokens concatenated in front of (cls, registers) and behind (text) the parts
+    computed from ``primary`` (the image tokens), in the concatenation along the token dim
+    nearest to the stream. A single image part that is itself such a concatenation (history
+    frames added one group at a time) is searched in turn; the counts of every level add up.
     """
     upstream = data_ancestors(stream0, set()) | {stream0}
     for node in reversed([n for n in stream0.graph.nodes if n in upstream]):
@@ -373,9 +362,8 @@ def _parts_from_concat(
 def _concat_parts(
     node: fx.Node, token_dim: int, num_tokens: int
 ) -> tuple[list[fx.Node], list[int]] | None:
-    """Parts and their token counts of a concatenation along the token dim into
-    ``num_tokens``: a ``torch.cat``, or a leaf function whose values showed one
-    (``pack([x, registers], "b * d")``, :mod:`tread_fx.passes.trace.concats`)."""
+    """Parts and token counts of a concatenation along the token dim into ``num_tokens`` (a
+    ``torch.cat``, or a leaf such as ``pack``: :mod:`tread_fx.passes.trace.concats`)."""
     out = tensor_meta(node)
     if out is None or len(out.shape) <= token_dim or out.shape[token_dim] != num_tokens:
         return None

@@ -1,5 +1,6 @@
 """Stream layouts of chained block lists: which carried values are token streams, how long
-the stream is in each list, and what a route may span.
+the stream is in each list, what a route may span, and where the stream enters a member that
+is a list of sub-blocks (its own code may reshape the stream before its first call).
 
 A chained stack (Flux, AuraFlow, Chroma) carries several values from block to block; only
 some are image-token streams (a joint text stream is not, although it attends to the
@@ -19,7 +20,13 @@ import networkx as nx
 import torch.fx as fx
 
 from tread_fx.errors import SideInputError, TokenStreamError
-from tread_fx.passes.locate.dataflow import argument_items, input_slots, int_value, output_slots
+from tread_fx.passes.locate.dataflow import (
+    argument_items,
+    input_slots,
+    int_value,
+    output_slots,
+    tensor_shape,
+)
 from tread_fx.passes.locate.stream import BlockCall, StreamInfo
 from tread_fx.passes.trace.concats import concatenation_parts
 from tread_fx.routes import Route
@@ -36,12 +43,14 @@ __all__ = [
     "grid_arguments",
     "grid_in_block_arguments",
     "int_arguments",
+    "stream_entering",
+    "member_prologue",
 ]
 
 
 def stream_tokens(block: BlockCall, info: StreamInfo) -> int:
     """Token count of the stream entering ``block``."""
-    return block.stream_in.meta["tread_meta"].shape[info.token_dim]
+    return block.stream_in.meta["tread_meta"].shape[info.layout.token_dim]
 
 
 def ends_where_stream_changes(info: StreamInfo, route: Route) -> bool:
@@ -105,12 +114,11 @@ def check_no_token_tables_inside(
     gm: fx.GraphModule, info: StreamInfo, route: Route, known: frozenset[int] = frozenset()
 ) -> None:
     """Refuse blocks that hold a buffer with a dim of their token count (BEiT's relative
-    position index is [N, N]) and could not be traced through to see how they use it: the
-    blocks in ``known`` were, and their token tables are cut
-    (``tread_fx/passes/plan/inline_tables.py``)."""
+    position index) and were not traced through: those in ``known`` were, their token tables
+    cut (``tread_fx/passes/plan/inline_tables.py``)."""
     start = info.blocks[route.start]
     tokens = stream_tokens(start, info)
-    sizes = {tokens, tokens - info.prefix}
+    sizes = {tokens, tokens - info.layout.prefix}
     for block in info.blocks[route.start : route.end]:
         if block.index in known:
             continue
@@ -132,46 +140,42 @@ def stream_prefix(g: nx.DiGraph, info: StreamInfo, start: BlockCall) -> int:
     stream in front of the image stream between their joint and single blocks. The parts
     of that concatenation before the image stream are prefix tokens of the longer stream.
     """
-    tokens = stream_tokens(start, info)
-    if tokens == info.num_tokens:
-        return info.prefix
+    tokens, layout = stream_tokens(start, info), info.layout
+    if tokens == layout.num_tokens:
+        return layout.prefix
     first = next(b for b in info.blocks if b.list_path == start.list_path)
     prev = info.blocks[first.index - 1] if first.index else None
-    if prev is not None and stream_tokens(prev, info) == info.num_tokens:
+    if prev is not None and stream_tokens(prev, info) == layout.num_tokens:
         between = nx.descendants(g, prev.stream_out) & (
             nx.ancestors(g, first.stream_in) | {first.stream_in}
         )
         for node in between:
             prefix = prefix_in_cat(g, node, prev.stream_out, info, tokens)
             if prefix is not None:
-                return prefix + info.prefix
+                return prefix + layout.prefix
     raise TokenStreamError(
         f"the stream entering {start.path} has {tokens} tokens, the stack's first block "
-        f"{info.num_tokens}, and no concatenation of other tokens in front of the image "
+        f"{layout.num_tokens}, and no concatenation of other tokens in front of the image "
         "stream explains the difference; route only blocks that see the first block's stream."
     )
 
 
 def prefix_in_cat(g, node: fx.Node, image: fx.Node, info: StreamInfo, tokens: int) -> int | None:
-    found = concatenation_parts(node, info.token_dim)  # torch.cat, or a leaf such as pack
+    found = concatenation_parts(node, info.layout.token_dim)  # torch.cat, or a leaf (pack)
     if found is None:
         return None
     parts, sizes = found
     for i, part in enumerate(parts):
         if part is image or nx.has_path(g, image, part):
-            last = i == len(parts) - 1 and sizes[i] == info.num_tokens
+            last = i == len(parts) - 1 and sizes[i] == info.layout.num_tokens
             return sum(sizes[:i]) if last and sum(sizes) == tokens else None
     return None
 
 
 def family_slots(g: nx.DiGraph, info: StreamInfo, block: BlockCall) -> set:
-    """Carried input slots of ``block``'s list that hold token streams.
-
-    In the stack's first list these are the carried slots whose value descends from the
-    model's first input. A chained list (Flux's single blocks after its joint blocks)
-    inherits them slot by slot: its carried input is a token stream only if it is fed by
-    the previous list's token-stream outputs alone — a joint text stream that attended to
-    the image tokens is not one, although it depends on them.
+    """Carried input slots of ``block``'s list that hold token streams: in the first list
+    those fed by the model's first input; in a chained list those fed by the previous list's
+    token-stream outputs alone (a joint text stream that attended to the image is not one).
     """
     family: set = set()
     for n, path in enumerate(info.list_paths):
@@ -187,9 +191,8 @@ def family_slots(g: nx.DiGraph, info: StreamInfo, block: BlockCall) -> set:
 
 
 def is_token_slot(g: nx.DiGraph, info: StreamInfo, value: fx.Node, feeders) -> bool:
-    meta = value.meta.get("tread_meta")
-    shape = getattr(meta, "shape", ())
-    if len(shape) <= info.token_dim or shape[info.token_dim] != info.num_tokens:
+    shape, dim = getattr(value.meta.get("tread_meta"), "shape", ()), info.layout.token_dim
+    if len(shape) <= dim or shape[dim] != info.layout.num_tokens:
         return False  # e.g. CogVideoX's text stream, sliced off a text+image concatenation
     if feeders is None:  # the stack's first list: by data flow from the model's first input
         return value is info.primary or nx.has_path(g, info.primary, value)
@@ -224,11 +227,8 @@ def fed_only_by(node: fx.Node, feeders: tuple[set, set], info: StreamInfo) -> bo
 
 
 def non_token_carried(g: nx.DiGraph, info: StreamInfo, route: Route) -> set[fx.Node]:
-    """Values carried from block to block at the route end that are not token streams.
-
-    A joint text stream has its own carried slot; when it happens to have as many tokens
-    as the image stream, its shape alone would make it look like a stream to scatter.
-    """
+    """Values carried from block to block at the route end that are not token streams (a
+    joint text stream with as many tokens as the image stream would look like one)."""
     if route.end < info.depth and not ends_where_stream_changes(info, route):
         end = info.blocks[route.end]
         slots = input_slots(end.node)
@@ -253,13 +253,13 @@ def grid_arguments(info: StreamInfo, route: Route, grid: tuple[int, ...] | None)
     Returns:
         ``(node, slot)`` of every height argument (the width follows it).
     """
-    if grid is None:
-        return []
     found = []
-    for block in info.blocks[route.start : route.end]:
-        run = _int_run(block.node, tuple(grid))
-        if run is not None:
-            found.append((block.node, run[-2]))
+    for block in info.blocks[route.start : route.end] if grid is not None else ():
+        numbers = int_arguments(block.node)
+        for i in range(len(numbers) - len(grid) + 1):
+            if tuple(v for _, v in numbers[i : i + len(grid)]) == tuple(grid):
+                found.append((block.node, numbers[i + len(grid) - 2][0]))
+                break
     return found
 
 
@@ -280,11 +280,33 @@ def int_arguments(node: fx.Node) -> list[tuple[tuple, int]]:
     return [(k, int_value(a)) for k, a in argument_items(node) if int_value(a) is not None]
 
 
-def _int_run(node: fx.Node, grid: tuple[int, ...]) -> list[tuple] | None:
-    """Slots of consecutive int arguments of ``node`` equal to ``grid``, if any."""
-    numbers = int_arguments(node)
-    for i in range(len(numbers) - len(grid) + 1):
-        window = numbers[i : i + len(grid)]
-        if tuple(v for _, v in window) == grid:
-            return [k for k, _ in window]
-    return None
+def stream_entering(block: BlockCall) -> fx.Node:
+    """The stream entering ``block`` in the graph as it is now: what its call receives in the
+    stream slot (a route planned and rewritten before may have replaced the located value by
+    its scatter), or, for a member whose own code changes the stream's shape before its first
+    call, the value that code starts from (``block.stream_in``, see ``stream.locate``).
+    """
+    slot = input_slots(block.node).get(block.in_slot)
+    if slot is block.stream_in or tensor_shape(slot) == tensor_shape(block.stream_in):
+        return slot
+    return _scattered(block.stream_in)
+
+
+def _scattered(node: fx.Node) -> fx.Node:
+    """``node``, or the scatter a route ending here put in its place
+    (``tread_fx/passes/rewrite/insert.py``
+    marks it ``tread_role == "scatter"``, the routed value its second argument)."""
+    for user in node.users:
+        if user.meta.get("tread_role") == "scatter" and user.args[1:2] == (node,):
+            return _scattered(user)
+    return node
+
+
+def member_prologue(g: nx.DiGraph, block: BlockCall) -> set[fx.Node]:
+    """Nodes of the data-flow graph ``g`` between the stream entering ``block`` and its first
+    call (the member's own code before that call); empty where the call receives the stream.
+    """
+    entering = stream_entering(block)
+    if input_slots(block.node).get(block.in_slot) is entering:
+        return set()
+    return nx.descendants(g, entering) & nx.ancestors(g, block.node)

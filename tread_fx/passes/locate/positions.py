@@ -37,6 +37,7 @@ from tread_fx.passes.locate.dataflow import (
     fed_by,
     int_value,
     tensor_meta,
+    tensor_shape,
 )
 from tread_fx.passes.locate.stream import StreamInfo
 from tread_fx.passes.trace.tracer import TensorMeta
@@ -76,11 +77,6 @@ def _window(span: Span, start: int, length: int, dim: int) -> Span | None:
 def _op_name(node: fx.Node) -> str:
     target = node.target
     return target if isinstance(target, str) else getattr(target, "__name__", "")
-
-
-def _shape(node: object) -> tuple | None:
-    meta = tensor_meta(node)
-    return tuple(meta.shape) if meta is not None else None
 
 
 def _arg(node: fx.Node, i: int, name: str, default: object = None) -> object:
@@ -140,7 +136,7 @@ def _cut(span: Span, item: object, new_dim: int) -> Span | str | None:
 def _cat_span(node: fx.Node, source: fx.Node, span: Span) -> Span | str | None:
     parts = node.args[0] if node.args else node.kwargs.get("tensors", ())
     dim = int_value(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0))
-    out = _shape(node)
+    out = tensor_shape(node)
     if out is None or dim is None or not isinstance(parts, (tuple, list)):
         return _ALL
     if dim % len(out) != span.dim:
@@ -149,7 +145,7 @@ def _cat_span(node: fx.Node, source: fx.Node, span: Span) -> Span | str | None:
     for part in parts:
         if part is source:
             return Span(span.lo + offset, span.hi + offset, span.dim, out[span.dim])
-        size = _shape(part)
+        size = tensor_shape(part)
         if size is None:
             return _ALL
         offset += size[span.dim]
@@ -190,7 +186,7 @@ def _step(node: fx.Node, user: fx.Node, span: object, blocks: dict) -> object:
             return span.get(("item", index)) if isinstance(index, (int, str)) else None
         if span == _ALL:
             return _ALL
-        rank = len(_shape(node) or ())
+        rank = len(tensor_shape(node) or ())
         return _slice_span(span, index, rank) if user.args[0] is node else _ALL
     if isinstance(span, dict):
         return None  # a tuple used whole (rare): its items are followed through getitem
@@ -209,18 +205,16 @@ def _step(node: fx.Node, user: fx.Node, span: object, blocks: dict) -> object:
         dim, start, length = (
             int_value(_arg(user, i, k)) for i, k in ((1, "dim"), (2, "start"), (3, "length"))
         )
-        if None in (dim, start, length) or dim % (len(_shape(user) or ())) != span.dim:
-            return _keep(span, _shape(user))
+        if None in (dim, start, length) or dim % (len(tensor_shape(user) or ())) != span.dim:
+            return _keep(span, tensor_shape(user))
         return _window(span, start, length, span.dim)
-    return _keep(span, _shape(user))
+    return _keep(span, tensor_shape(user))
 
 
 def reaches_output(start: fx.Node, span: Span, blocks: dict) -> bool:
-    """Whether positions ``span`` of ``start`` (the stream entering the stack's first block),
-    or a value computed from them whose positions the walk lost, reach the graph's output.
-    ``blocks`` maps each block call to ``fn(input node, span) -> span of its output`` (a block
-    hands positions on only from its stream argument).
-    """
+    """Whether positions ``span`` of ``start`` (or a value computed from them whose positions
+    the walk lost) reach the graph's output; ``blocks`` maps each block call to
+    ``fn(input node, span) -> span of its output``."""
     spans: dict[fx.Node, object] = {start: span}
     queue = deque([start])
     while queue:
@@ -249,9 +243,9 @@ def _named(node: fx.Node) -> str:
 
 def _per_token(node: object, info: StreamInfo) -> bool:
     meta = tensor_meta(node)
-    if meta is None or len(meta.shape) <= info.token_dim:
+    if meta is None or len(meta.shape) <= info.layout.token_dim:
         return False
-    return meta.shape[info.token_dim] == info.num_tokens
+    return meta.shape[info.layout.token_dim] == info.layout.num_tokens
 
 
 def _is_role_mask(node: object, info: StreamInfo) -> bool:
@@ -259,7 +253,7 @@ def _is_role_mask(node: object, info: StreamInfo) -> bool:
     if not _per_token(node, info) or fed_by(node, info.primary):
         return False
     meta = node.meta["tread_meta"]
-    if any(s != 1 for s in meta.shape[info.token_dim + 1 :]):
+    if any(s != 1 for s in meta.shape[info.layout.token_dim + 1 :]):
         return False  # a mask broadcast over the channels, not a per-token feature
     ups = data_ancestors(node, set()) | {node}
     return any(u.op in ("call_function", "call_method") and u.target in _COMPARE for u in ups)
@@ -275,8 +269,8 @@ def _gated(node: fx.Node, info: StreamInfo) -> fx.Node | None:
 
 
 def _placed_by_data(node: fx.Node, info: StreamInfo) -> fx.Node | None:
-    """The index input of ``x.index_copy(dim, index, source)`` (or ``index_add``, ``scatter``)
-    when ``source`` holds the main input's tokens and ``index`` is computed from an input."""
+    """The index of ``x.index_copy(dim, index, source)`` (``index_add``, ``scatter``) when
+    ``source`` holds the main input's tokens and ``index`` is computed from an input."""
     name = _op_name(node)
     if node.op not in ("call_function", "call_method") or name not in _INDEX_WRITES:
         return None
@@ -293,12 +287,9 @@ def _placed_by_data(node: fx.Node, info: StreamInfo) -> fx.Node | None:
 
 
 def role_mask(info: StreamInfo) -> str | None:
-    """Why the stream's image positions are data-dependent, if they are (else ``None``).
+    """Why the stream's image positions are data-dependent (see the module doc), else ``None``.
 
-    Either the main input's tokens are written into the stream at positions an input gives
-    (``stream.index_copy(1, video_indices, video)``), or the stream is a sum of a part fed by
-    the main input and a part fed by another input only, each gated per token by a mask
-    computed from data (a padding mask on the image plus an ungated per-token table is not).
+    A padding mask on the image plus an ungated per-token table is no role mask.
     """
     stream0 = info.blocks[0].stream_in
     ups = [n for n in data_ancestors(stream0, set()) | {stream0} if n.op != "placeholder"]

@@ -143,8 +143,7 @@ def _sub_block_paths(member: nn.Module, path: str) -> set[str]:
 
 def block_calls(traced: TracedCall, list_paths: list[str]) -> dict[str, list[fx.Node]]:
     """Calls of each container's members, in order; for a member that is a list of
-    sub-blocks, its first sub-block call at any depth (the block boundary is the first call
-    into it)."""
+    sub-blocks, its first sub-block call at any depth (the block boundary)."""
     calls: dict[str, list[fx.Node]] = {p: [] for p in list_paths}
     entered: set[str] = set()
     for node in traced.gm.graph.nodes:
@@ -187,9 +186,8 @@ def _valid_sequence(model: nn.Module, path: str, nodes: list[fx.Node]) -> bool:
 
 def _shape_distance(a: object, b: object) -> int | None:
     """0: same shape; 1: same rank, one dim differs (channels, a learned sigma); else None."""
-    if not (isinstance(a, TensorMeta) and isinstance(b, TensorMeta)):
-        return None
-    if len(a.shape) != len(b.shape):
+    tensors = isinstance(a, TensorMeta) and isinstance(b, TensorMeta)
+    if not tensors or len(a.shape) != len(b.shape):
         return None
     differing = sum(x != y for x, y in zip(a.shape, b.shape))
     return differing if differing <= 1 else None
@@ -223,11 +221,8 @@ def _handed_slots(nodes: list[fx.Node]) -> tuple[dict[tuple, fx.Node], list[tupl
 
 
 def _stream_fed_by(nodes: list[fx.Node], primary: fx.Node) -> bool:
-    """Whether the value a list's blocks hand on to each other comes from ``primary``.
-
-    A text refiner also receives tables computed from the main input (RoPE built by a module
-    that reads the image shape), but what it hands from block to block is the text.
-    """
+    """Whether the value a list's blocks hand on to each other comes from ``primary`` (a text
+    refiner receives RoPE tables computed from the main input, but hands on the text)."""
     if len(nodes) < 2:
         return fed_by(nodes[0], primary)
     first, handed = _handed_slots(nodes)
@@ -274,9 +269,8 @@ def _chains(
 
 def _same_form(before: str, after: str, calls: dict[str, list[fx.Node]]) -> bool:
     """Whether two lists called one after the other carry one stream: the value each hands
-    from block to block has the same rank and width. A conv list on ``[B, C, H, W]`` feeding
-    a token list, or encoder blocks at width 64 feeding decoder blocks at 512 through a
-    projection, are different stacks. Unclear forms (one block, several values) join."""
+    from block to block has the same rank and width (a projection between encoder and
+    decoder widths splits them). Unclear forms (one block, several values) join."""
     a, b = _handed_stream([before], calls), _handed_stream([after], calls)
     if a is None or b is None:
         return True
@@ -309,7 +303,11 @@ def _hand_off_hops(chain: list[str], calls: dict[str, list[fx.Node]]) -> int:
     return sum(len(forward_path(a, b)) for a, b in zip(nodes, nodes[1:]))
 
 
-def _choose_chain(model: nn.Module, chains: list[list[str]], calls, explicit: bool) -> list[str]:
+def choose_stack(
+    model: nn.Module, calls: dict, primary: fx.Node | None, explicit: bool
+) -> list[str]:
+    """The chain of container paths that is the block stack (refuses with the reason)."""
+    chains = _chains(model, calls, primary)
     if explicit:
         if len(chains) > 1 and (widths := _form_break(chains, calls)):
             raise BlockStackNotFoundError(
@@ -363,10 +361,9 @@ def _handed_stream(chain: list[str], calls: dict[str, list[fx.Node]]) -> TensorM
 
 
 def _most_tokens(chains: list[list[str]], calls: dict[str, list[fx.Node]]) -> list[list[str]]:
-    """Interleaved stacks of equal length both carry the main stream (reshaped in between,
-    e.g. spatial ``[B * F, N, C]`` and temporal ``[B * N, F, C]`` blocks): keep the one
-    whose stream has the most tokens (dim 1), where routing saves the most; all of them
-    when the counts tie or a stream's shape is unclear (the data flow cannot tell)."""
+    """Of interleaved stacks of equal length (spatial ``[B * F, N, C]`` and temporal ``[B * N,
+    F, C]`` blocks), the one whose stream has the most tokens (dim 1); all of them when the
+    counts tie or a stream's shape is unclear."""
     metas = [_handed_stream(c, calls) for c in chains]
     if any(m is None for m in metas):
         return chains
@@ -404,18 +401,10 @@ def _interleaving(chains: list[list[str]], calls: dict[str, list[fx.Node]]) -> s
     )
 
 
-def choose_stack(
-    model: nn.Module, calls: dict, primary: fx.Node | None, explicit: bool
-) -> list[str]:
-    """The chain of container paths that is the block stack (refuses with the reason)."""
-    return _choose_chain(model, _chains(model, calls, primary), calls, explicit)
-
-
 def refuse_hierarchical_stages(model: nn.Module, blocks: list[Any]) -> None:
-    """Refuse a stack of hierarchical stages: members that hold block lists of their own and
-    hand on a stream of another shape than they take (a windowed backbone's stages merging
-    patches between them). The route belongs inside one stage; the error names its list.
-    ``blocks`` are the located ``BlockCall``s, their stream slots assigned."""
+    """Refuse a stack of hierarchical stages (members that hold block lists of their own and
+    hand on a stream of another shape than they take: patch merging between stages); the
+    error names a stage's list. ``blocks`` are the located ``BlockCall``s."""
     members = [b for b in blocks if b.path.rpartition(".")[0] == b.list_path]  # not nested
     for block in members:
         before, after = tensor_meta(block.stream_in), tensor_meta(block.stream_out)

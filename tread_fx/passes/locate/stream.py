@@ -18,6 +18,7 @@ from typing import Any
 import torch.fx as fx
 from torch import nn
 
+from tread_fx.adapters.values import StreamLayout
 from tread_fx.errors import TokenStreamError, shown
 from tread_fx.passes.locate.dataflow import (
     data_ancestors,
@@ -26,9 +27,9 @@ from tread_fx.passes.locate.dataflow import (
     input_slots,
     output_slots,
     tensor_meta,
+    tensor_shape,
 )
 from tread_fx.passes.locate.dims import joint_parts, stream_dims
-from tread_fx.passes.locate.member_entry import handed_into_member
 from tread_fx.passes.locate.stacks import (
     block_calls,
     choose_stack,
@@ -73,18 +74,12 @@ class StreamInfo:
 
     blocks: list[BlockCall]
     list_paths: list[str]
-    batch_dim: int
-    token_dim: int
-    batch_size: int
-    num_tokens: int
-    prefix: int
+    layout: StreamLayout  # at the first block (grid None: the pipeline finds it later)
     stream_meta: TensorMeta
     primary: fx.Node
     carried: dict[str, dict[tuple, SlotKey]] = field(default_factory=dict)
     stream_after: fx.Node | None = None
     form_cuts: set[int] = field(default_factory=set)  # blocks a route split ends before
-    folded: int = 1  # dim 0 holds batch_size * folded rows (frames or positions folded in)
-    suffix: int = 0  # trailing tokens never routed (text behind the image: dims.joint_parts)
     choice: Any = None  # how the stream was chosen (tread_fx/passes/locate/choice.py StreamChoice)
 
     @property
@@ -119,11 +114,8 @@ def locate(
     chain = choose_stack(model, calls, None if explicit else primary, explicit)
     _unpack_handed_containers(traced.gm, [node for path in chain for node in calls[path]])
     while True:
-        nodes = [(path, node) for path in chain for node in calls[path]]
-        blocks = [
-            BlockCall(i, node, node.target[len(MODEL_PREFIX) :], path, ())
-            for i, (path, node) in enumerate(nodes)
-        ]
+        pairs = enumerate((p, n) for p in chain for n in calls[p])
+        blocks = [BlockCall(i, n, n.target[len(MODEL_PREFIX) :], p, ()) for i, (p, n) in pairs]
         try:
             _assign_stream_slots(blocks, primary, {b.node for b in blocks})
             break
@@ -149,32 +141,17 @@ def locate(
     prefix, suffix = joint_parts(
         model, keep_prefix, first.stream_in, primary, token_dim, num_tokens
     )
-    return StreamInfo(
-        blocks,
-        chain,
-        batch_dim,
-        token_dim,
-        batch,
-        num_tokens,
-        prefix,
-        meta,
-        primary,
-        carried,
-        _stream_after_last(blocks),
-        folded=folded,
-        suffix=suffix,
-    )
+    layout = StreamLayout(batch_dim, token_dim, batch, num_tokens, prefix, None, suffix, folded)
+    return StreamInfo(blocks, chain, layout, meta, primary, carried, _stream_after_last(blocks))
 
 
 def _unpack_handed_containers(gm: fx.GraphModule, calls: list[fx.Node]) -> None:
     """Pass each block's whole list/tuple result on to the next block as unpacked elements.
 
-    A multi-scale stack calls ``xs = block(xs)`` with ``xs`` a list of token streams: no
-    argument slot of the next block holds a stream. Each such hand-off is rewritten (in
-    place) into what a loop that unpacks (``fine, coarse = block([fine, coarse])``) traces
-    to: one ``getitem`` per element, passed on as a list (or tuple) of those nodes. The
-    stream slots are then ``("arg", i, j)`` and ``("item", j)``, and the stream is chosen
-    among the elements by data flow. The program computes the same values.
+    A multi-scale stack calls ``xs = block(xs)`` with ``xs`` a list of token streams. Each
+    such hand-off is rewritten (in place, same values) into one ``getitem`` per element,
+    passed on as a list (or tuple): the stream slots are then ``("arg", i, j)`` and
+    ``("item", j)``, and data flow chooses the stream among the elements.
     """
     for before, after in zip(calls, calls[1:]):
         meta = before.meta.get("tread_meta")
@@ -194,12 +171,8 @@ def _unpack_handed_containers(gm: fx.GraphModule, calls: list[fx.Node]) -> None:
 
 
 def _stream_after_last(blocks: list[BlockCall]) -> fx.Node:
-    """The stream after the last block, following the same ops that lead from block i to i+1.
-
-    With the residual add outside the blocks (``x = x + block(x)``), block ``i``'s output is
-    not the stream; the ops from block ``depth-2``'s output to block ``depth-1``'s input
-    (e.g. one ``add``) are replayed after the last block.
-    """
+    """The stream after the last block: the ops from block ``depth-2``'s output to block
+    ``depth-1``'s input (the residual ``add`` of ``x = x + block(x)``) replayed after it."""
     last = blocks[-1]
     if len(blocks) < 2 or blocks[-2].list_path != last.list_path:
         return last.stream_out
@@ -264,8 +237,7 @@ def _first_stream_slot(
 
 def _refuse_latents(block: BlockCall, slots: dict, from_input: list, handed: list) -> None:
     """Refuse blocks that hand on a value not computed from the model's input while the input
-    reaches them only unchanged, in every block (a perceiver's learned latents attending to
-    the input as context)."""
+    reaches every block unchanged (a perceiver's latents attending to it as context)."""
     if not handed:
         return
     shape = lambda k: list(slots[k].meta["tread_meta"].shape)
@@ -350,13 +322,44 @@ def _assign_stream_slots(blocks: list[BlockCall], primary: fx.Node, block_nodes:
                 f"block {block.path} is not called with a token stream in {block.in_slot} like "
                 "the blocks before it; route() needs blocks called the same way."
             )
-        block.stream_in = handed_into_member(block, prev, slots[block.in_slot], block_nodes)
+        block.stream_in = _handed_into_member(block, prev, slots[block.in_slot], block_nodes)
         outs = output_slots(block.node)
         if following is None and _returns_like(block, prev, outs):
             block.out_slot = prev.out_slot  # the last block is called like the ones before it
         else:  # (members of several kinds: attention returns a tuple, a feed-forward a tensor)
             block.out_slot = _out_slot(block, following, block_nodes)
         block.stream_out = block.node if block.out_slot is None else outs[block.out_slot]
+
+
+def _handed_into_member(
+    block: BlockCall, prev: BlockCall | None, value: fx.Node, block_nodes: set
+) -> fx.Node:
+    """The stream entering ``block``: ``value`` (what its first call receives in the stream
+    slot), or, for a nested member (a list of sub-blocks, entered at its first call) whose
+    code changes the stream's shape before that call (U-ViT's ``x = skip_proj(cat([skip, x],
+    -1))`` in ``[skip_proj | None, attn, ff]`` layers), the one value shaped like ``prev``'s
+    stream that ``value`` is computed from (by code, no module call between) and that the
+    member before computed (not searching past ``block_nodes``). A route starting there
+    gathers it (the skip by its use); one ending there scatters it, the code running after.
+    """
+    nested = block.path.rpartition(".")[0] != block.list_path  # below its member <list>.<i>
+    if prev is None or prev.list_path != block.list_path or not nested:
+        return value
+    want = tensor_shape(prev.stream_in)
+    if want is None or tensor_shape(value) == want:
+        return value
+    found, seen, todo = [], {value}, [value]
+    while todo:
+        for arg in todo.pop().all_input_nodes:
+            if arg in seen:
+                continue
+            seen.add(arg)
+            if tensor_shape(arg) == want:
+                found.append(arg)
+            elif arg.op in ("call_function", "call_method"):
+                todo.append(arg)
+    handed = [n for n in found if n is prev.node or prev.node in data_ancestors(n, block_nodes)]
+    return handed[0] if len(handed) == 1 else value
 
 
 def _returns_like(block: BlockCall, prev: BlockCall | None, outs: dict) -> bool:
@@ -369,13 +372,9 @@ def _returns_like(block: BlockCall, prev: BlockCall | None, outs: dict) -> bool:
 
 
 def _same_form_as_first(keys: list, slots: dict, first: BlockCall) -> list:
-    """Of several arguments fed by the previous list, the one shaped like the stack's stream.
-
-    A list after single blocks over ``[text | image]`` may take the two parts split off again
-    (``text, image = x[:, :T], x[:, T:]``): both descend from the previous stream, the image
-    part has the first block's stream shape. A longer joint stream is told from a mask fed
-    by it by its rank and channel count.
-    """
+    """Of several arguments fed by the previous list, the one shaped like the stack's stream
+    (the image part of ``text, image = x[:, :T], x[:, T:]``), else the one of its rank and
+    channel count (a longer joint stream, not a mask fed by it)."""
     shape = first.stream_in.meta["tread_meta"].shape
     shapes = {k: getattr(slots[k].meta.get("tread_meta"), "shape", ()) for k in keys}
     same = [k for k in keys if shapes[k] == shape]

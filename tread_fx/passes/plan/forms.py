@@ -1,13 +1,11 @@
 """Routes across a change of the stream's form: where each image token lands after it.
 
 Between two blocks a model may move the image stream into a longer stream (text written in
-front of it or after it, per sample into a padded buffer), slice other tokens off again, or
-split the text off. A route crosses such a *form change* by splitting at it: the kept tokens
-are written back into the stream before the hand-off (so the hand-off runs on the full
-stream, as the model wrote it), and gathered again after it, at the places the same kept
-tokens land, together with all the other tokens (text, padding), which are never routed.
-Exact when the hand-off only moves tokens: the routed-around ones still skip every routed
-block.
+front of or after it, per sample into a padded buffer), slice other tokens off again, or split
+the text off. A route crosses such a *form change* by splitting at it: the kept tokens are
+written back before the hand-off (which runs on the full stream, as the model wrote it) and
+gathered again after it, at the places they land, with all the other tokens (text, padding),
+which are never routed. Exact when the hand-off only moves tokens.
 
 Where each token lands is found by data flow on the example call: the hand-off is evaluated
 with the stream replaced by tags (each token's position and sample, written into its
@@ -61,9 +59,9 @@ class FormChange:
 
 def _tokens(node: fx.Node, info: StreamInfo) -> int | None:
     meta = node.meta.get("tread_meta")
-    if not isinstance(meta, TensorMeta) or len(meta.shape) <= info.token_dim:
+    if not isinstance(meta, TensorMeta) or len(meta.shape) <= info.layout.token_dim:
         return None
-    return meta.shape[info.token_dim]
+    return meta.shape[info.layout.token_dim]
 
 
 _MOVES = {"getitem", "cat", "concat", "concatenate", "stack", "functional_setitem", "pad",
@@ -90,7 +88,8 @@ def changes_form(g: nx.DiGraph, info: StreamInfo, index: int) -> bool:
         meta = node.meta.get("tread_meta")
         if not isinstance(meta, TensorMeta) or len(meta.shape) != rank or not _moves(node):
             continue
-        if meta.shape[info.batch_dim] == info.batch_size and _tokens(node, info) != count:
+        batch = meta.shape[info.layout.batch_dim] == info.layout.batch_size
+        if batch and _tokens(node, info) != count:
             return True
     return False
 
@@ -167,14 +166,14 @@ def _tag(value: torch.Tensor, token_dim: int, sign: float) -> torch.Tensor:
 
 def _read(gm, info: StreamInfo, index: int, tensors: list, sign: float) -> torch.Tensor:
     source, target = info.blocks[index - 1].stream_out, info.blocks[index].stream_in
-    runner = _Tagging(gm, source, target, lambda v: _tag(v, info.token_dim, sign))
+    runner = _Tagging(gm, source, target, lambda v: _tag(v, info.layout.token_dim, sign))
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(0)
         try:
             runner.run(*tensors)
         except _Reached as reached:
             value = reached.value
-    value = value.movedim(info.token_dim, 1) if info.token_dim != 1 else value
+    value = value.movedim(info.layout.token_dim, 1) if info.layout.token_dim != 1 else value
     return value.reshape(value.shape[0], value.shape[1], -1)
 
 
@@ -227,7 +226,7 @@ def locate_tokens(
         One :class:`FormChange` per change, positions composed from the route start.
     """
     count = stream_tokens(info.blocks[route.start], info)
-    batch = info.batch_size
+    batch = info.layout.batch_size
     positions = torch.arange(count).expand(batch, count)
     found = []
     for index in changes:

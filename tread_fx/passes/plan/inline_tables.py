@@ -1,22 +1,20 @@
 """Token tables built inside routed blocks: trace those blocks through and cut the tables.
 
-A routed block is a single call in the traced graph, so whatever it computes from its own
-token count stays hidden (a relative-position bias indexed by an ``[N, N]`` buffer, a RoPE
-table built from ``arange(N)``): on the kept tokens such a block fails with a shape error,
-or (worse) builds positions ``0..k-1``.
+A routed block is a single call in the traced graph, so what it computes from its own token
+count stays hidden (a bias indexed by an ``[N, N]`` buffer, a RoPE table from ``arange(N)``):
+on the kept tokens it fails with a shape error, or (worse) builds positions ``0..k-1``.
 
 Each routed block is traced through on the real inputs its class received while tracing the
 model (:mod:`tread_fx.passes.trace.block`) and split into *data* (computed from its inputs)
-and *tables* (computed without them: from buffers, parameters, constants and sizes). A table
-that meets the data is classified by use (:func:`tread_fx.passes.plan.uses.built_table_uses`):
-a token-sized ``mask`` is cut on every token dim (its last one only beside another, as in
-``[N, N]``), a ``table`` on its token dims but the last (which meets the features); a
-``context`` or ``none`` one is not a token table; one built from buffers, factories or sizes
-whose use says nothing of its dims (``unknown``, ``ids``) is refused. A block with a token
-table is inlined into the routed graph: its tables are built for all ``N`` tokens (the sizes
-they read are the traced constants, so positions stay the original ones) and cut to the kept
-tokens where they meet the data, whose reshapes follow the kept count. Tables have no batch
-dim, so the route's selection is shared across the batch.
+and *tables* (computed without them). A table meeting the data is classified by use
+(:func:`tread_fx.passes.plan.uses.built_table_uses`): a token-sized ``mask`` is cut on every
+token dim (its last one only beside another, as in ``[N, N]``), a ``table`` on its token dims
+but the last (which meets the features); a ``context`` or ``none`` one is no token table; one
+built from buffers, factories or sizes whose use says nothing of its dims (``unknown``,
+``ids``) is refused. A block with a token table is inlined into the routed graph: its tables
+are built for all ``N`` tokens (at the traced sizes, so positions stay the original ones) and
+cut to the kept tokens where they meet the data. Tables have no batch dim, so the route's
+selection is shared across the batch.
 
 Example:
     >>> # driven by tread_fx.pipeline.build: find_token_tables, then inline_token_tables.
@@ -85,11 +83,6 @@ def pack(value: Any) -> Any:
     return value
 
 
-def _data_nodes(graph: fx.Graph) -> set[fx.Node]:
-    """Nodes computed from the block's inputs; sizes read from them are not data."""
-    return set().union(*(_forward(p) for p in graph.find_nodes(op="placeholder")))
-
-
 def _built_from_tables(node: fx.Node, data: set[fx.Node], root: nn.Module) -> bool:
     """Whether a table depends on more than parameters: a buffer, a factory with constant
     sizes (``arange``, ``ones``) or a size read from the data (``arange(N)``)."""
@@ -126,9 +119,13 @@ def _token_dims(
     return [(tuple(ds), skip) for skip, ds in groups.items()]
 
 
-def _candidates(traced: TracedCall, data: set[fx.Node], layout: StreamLayout) -> list:
-    """Tensors computed without the block's inputs that meet them, with token-sized dims."""
-    return [
+def _tables(block: BlockCall, leaves: list, traced: TracedCall, layout: StreamLayout):
+    """(data nodes, token tables with their dims) of a block traced through; refuses a
+    table built from buffers or sizes whose use says nothing about its token dims."""
+    data = set().union(*map(_forward, traced.gm.graph.find_nodes(op="placeholder")))
+    stream = input_slots(block.node)[block.in_slot]
+    stream_at = [i for i, (node, _) in enumerate(leaves) if node is stream]
+    candidates = [  # tensors computed without the inputs that meet them, of token-sized dims
         node
         for node in traced.gm.graph.nodes
         if node not in data
@@ -136,21 +133,7 @@ def _candidates(traced: TracedCall, data: set[fx.Node], layout: StreamLayout) ->
         and any(u in data for u in node.users)
         and _token_dims(meta.shape, layout)
     ]
-
-
-def _stream_positions(block: BlockCall, leaves: list) -> list[int]:
-    stream = input_slots(block.node)[block.in_slot]
-    return [i for i, (node, _) in enumerate(leaves) if node is stream]
-
-
-def _tables(block: BlockCall, leaves: list, traced: TracedCall, layout: StreamLayout):
-    """(data nodes, token tables with their dims) of a block traced through; refuses a
-    table built from buffers or sizes whose use says nothing about its token dims."""
-    data = _data_nodes(traced.gm.graph)
-    candidates = _candidates(traced, data, layout)
-    tokens = layout.token_counts
-    stream_at = _stream_positions(block, leaves)
-    uses = built_table_uses(traced.gm, candidates, stream_at, tokens)
+    uses = built_table_uses(traced.gm, candidates, stream_at, layout.token_counts)
     for node, use in uses.items():
         if use in (Use.IDS, Use.UNKNOWN) and _built_from_tables(node, data, traced.gm):
             raise SideInputError(_unresolved(block, node, use))
@@ -222,8 +205,7 @@ def find_token_tables(
 
 def _input_nodes(graph: fx.Graph, node: fx.Node) -> list[fx.Node]:
     """Graph values for the block's tensor inputs (container items taken out by getitem)."""
-    tree = node_tree(node)
-    leaves = pytree.tree_flatten(tree, is_leaf=is_node_leaf)[0]
+    leaves = pytree.tree_flatten(node_tree(node), is_leaf=is_node_leaf)[0]
     values = []
     with graph.inserting_before(node):
         for leaf in leaves:
@@ -279,9 +261,8 @@ def inline_token_tables(
         route: The route's index.
     """
     graph, node, sub = gm.graph, found.block.node, found.traced
-    inputs = _input_nodes(graph, node)
-    placeholders = [n for n in sub.gm.graph.nodes if n.op == "placeholder"]
-    env: dict[fx.Node, Any] = dict(zip(placeholders, inputs))
+    placeholders = sub.gm.graph.find_nodes(op="placeholder")
+    env: dict[fx.Node, Any] = dict(zip(placeholders, _input_nodes(graph, node)))
     cut: dict[fx.Node, fx.Node] = {}
     result: Any = None
     for sub_node in sub.gm.graph.nodes:
@@ -294,10 +275,9 @@ def inline_token_tables(
         is_table = not is_data and is_tensorish(sub_node.meta.get("tread_meta"))
 
         def arg(a: fx.Node, is_data=is_data, is_table=is_table) -> Any:
-            if is_table and not is_tensorish(a.meta.get("tread_meta")):
-                value = a.meta.get("tread_meta")
-                if isinstance(value, (int, float, bool)):
-                    return value  # a size read by a table: the traced (full) count
+            value = a.meta.get("tread_meta")
+            if is_table and isinstance(value, (int, float, bool)):
+                return value  # a size read by a table: the traced (full) count
             if is_data and a in cut:
                 return cut[a]
             return env[a]

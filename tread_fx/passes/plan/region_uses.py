@@ -1,24 +1,29 @@
 """What a value entering a routed region is, decided by its uses there (never its name).
 
 The op rules of :mod:`tread_fx.passes.plan.uses` are applied to a route's region, and the
-verdict, the strongest use found, is handed to the adapters as a
-:class:`~tread_fx.adapters.SideValue` (:func:`side_value`). The uses are those of:
+strongest use found is handed to the adapters as a :class:`~tread_fx.adapters.SideValue`
+(:func:`side_value`). The uses are those of:
 
 - the routed blocks receiving it, each block class traced through (:func:`route_uses`);
-- other module calls in the region: a stack member may be a list of sub-blocks called in
-  turn (``ModuleList([norm, attention, residual])``, its first call standing for the block),
-  and a value handed to a later one (a rotary table given to the attention) enters there.
-  Such a call is traced through like a block if it sees the stream in its own layout
-  (:func:`in_stream_layout`); one that gets a folded form of it (temporal blocks on
-  ``[B * N, F, C]`` between spatial blocks on ``[B * F, N, C]``) holds other units on its
-  token dim, so the data-flow rules alone decide there (``tokens-folded-into-batch``);
-- the model's own code between the routed blocks, as the graph shows it: a position table
-  added between an encoder and a decoder stack (``x = x + self.decoder_pos_embed``), a long
-  skip concatenated beside the features before a projection.
+- other module calls in the region (a member ``ModuleList([norm, attention, residual])``
+  called in turn, a rotary table handed to its attention), traced through like a block if
+  they see the stream in its own layout (:func:`in_stream_layout`); one that gets a folded
+  form of it (temporal blocks on ``[B * N, F, C]`` between spatial blocks on
+  ``[B * F, N, C]``) holds other units on its token dim, so the data-flow rules alone decide
+  there (``tokens-folded-into-batch``);
+- the model's own code between the routed blocks: a position table added between two stacks
+  (``x = x + self.decoder_pos_embed``), a long skip concatenated before a projection.
 
-Where every use is elementwise with the stream and the value has size 1 at the stream's batch
-dim, the graph shows it broadcast over the batch (:func:`batch_broadcast`): its kept rows can
-be taken per sample from its expansion, so the route's selection need not be shared.
+A value of size 1 at the stream's batch dim whose every use is elementwise with the stream
+is broadcast over the batch (:func:`batch_broadcast`): its kept rows can be taken per sample
+from its expansion, so the route's selection need not be shared.
+
+A block told a token count as a plain number (how many noisy tokens follow the history
+frames: ``x[:, -n:]``) is told what it becomes (:func:`count_arguments`): the routed part's
+length (less the never-routed prefix and suffix) the kept count, the whole stream's the routed
+stream's; the prefix's and suffix's stay. A number equal to two of these counts, or to one and
+the length of another sequence the block receives (text), is refused, naming the argument; one
+that differs from block to block of a list (a block index) is no count.
 
 Example:
     >>> # used by tread_fx.passes.plan.route_plan (tests/test_between_block_tables.py,
@@ -28,6 +33,8 @@ Example:
 from __future__ import annotations
 
 import operator
+import warnings
+from collections.abc import Callable
 from typing import Any
 
 import networkx as nx
@@ -35,19 +42,22 @@ import torch
 import torch.fx as fx
 
 from tread_fx.adapters.values import NO_BATCH_DIM, SideValue, StreamLayout, TensorMeta
+from tread_fx.errors import SideInputError
 from tread_fx.passes.locate.dataflow import (
     argument_items,
     argument_name,
     data_ancestors,
     input_slots,
 )
-from tread_fx.passes.locate.stream import StreamInfo
+from tread_fx.passes.locate.layout import int_arguments, stream_tokens
+from tread_fx.passes.locate.stream import BlockCall, StreamInfo
 from tread_fx.passes.plan.uses import (
     _ELEMENTWISE,
     BlockUses,
     Use,
     _forward,
     _name,
+    _shape,
     _sides,
     _tensor_use,
     call_uses,
@@ -56,7 +66,14 @@ from tread_fx.passes.plan.uses import (
 from tread_fx.passes.trace.block import is_tensorish
 from tread_fx.routes import Route
 
-__all__ = ["route_uses", "side_value", "in_stream_layout", "batch_broadcast"]
+__all__ = [
+    "route_uses",
+    "side_value",
+    "in_stream_layout",
+    "batch_broadcast",
+    "count_arguments",
+    "sizes_tokens",
+]
 
 _COMBINED = {operator.add, operator.iadd, operator.mul, operator.imul, operator.sub,
              operator.isub, torch.add, torch.mul, torch.sub, "add", "mul", "sub", "add_",
@@ -82,7 +99,7 @@ def route_uses(
     Example:
         >>> # driven by tread_fx.passes.plan.route_plan.plan_route (tests/test_rotary_tuple.py)
     """
-    tokens, token_dim = layout.token_counts, info.token_dim
+    tokens, token_dim = layout.token_counts, info.layout.token_dim
     found = {
         b.node: call_uses(gm, b.node, {input_slots(b.node)[b.in_slot]}, tokens, token_dim)
         for b in info.blocks[route.start : route.end]
@@ -140,14 +157,7 @@ def side_value(
     use = None  # unseen: a receiving block shows no use of it
     if not receiving or in_blocks is not None:
         use = strongest({in_blocks, _between_use(node, region, stream_start, block_nodes, layout)})
-    names, classes = set(), set()
-    for user in users:
-        if user in block_nodes:
-            for key, arg in input_slots(user).items():
-                if arg is node:
-                    names.add(argument_name(block_nodes[user], key))
-            names |= _dict_keys_holding(block_nodes[user], user, node)
-            classes.add(type(block_nodes[user]))
+    names = set().union(*(_names_holding(block_nodes[u], u, node) for u in receiving))
     combined = any(
         u.op in ("call_function", "call_method")
         and u.target in _COMBINED
@@ -159,7 +169,7 @@ def side_value(
         node=node,
         meta=meta,
         arg_names=frozenset(names),
-        block_classes=frozenset(classes),
+        block_classes=frozenset(type(block_nodes[u]) for u in receiving),
         stream=layout,
         token_aligned=in_stream_layout(meta, layout),
         from_stream=node is info.primary or nx.has_path(g, info.primary, node),
@@ -187,11 +197,12 @@ def _in_blocks(node: fx.Node, receiving: dict) -> tuple[Use | None, frozenset[st
     return strongest(uses), frozenset(ops)
 
 
-def _dict_keys_holding(block: Any, user: fx.Node, node: fx.Node) -> set[str]:
-    """``argument.key`` for each dict argument through which a block receives ``node``:
-    ``attention_kwargs.attention_mask``, ``rotary_emb.query`` (hints for messages and user
-    adapters; no built-in rule reads them)."""
-    return {
+def _names_holding(block: Any, user: fx.Node, node: fx.Node) -> set[str]:
+    """The names under which a block receives ``node``: its arguments, and ``argument.key``
+    for each dict argument holding it (``attention_kwargs.attention_mask``,
+    ``rotary_emb.query``): hints for messages and user adapters, no built-in rule reads them."""
+    names = {argument_name(block, key) for key, arg in input_slots(user).items() if arg is node}
+    return names | {
         f"{argument_name(block, slot)}.{k}"
         for slot, a in argument_items(user)
         if isinstance(a, dict)
@@ -207,14 +218,13 @@ def _between_use(
     uses the tensor ``node``: the strongest use found, :attr:`Use.NONE` when the code uses it
     but never with the stream per token, or ``None`` when no code between the blocks reads it.
 
-    "Never per token" is a verdict only where every stream value the code combines it with
-    keeps the stream's batch at its batch dim: code that folds the tokens into the batch
-    (``[B * N, F, C]``, to run the blocks of another stack between the routed ones) uses it
-    per row, and a row there is a token, which the op rules cannot tell; so it stays unseen
-    (``None``) and the data-flow rules (``tokens-folded-into-batch``) decide it.
+    "Never per token" is a verdict only beside stream values that keep the stream's batch at
+    its batch dim: where the code folds the tokens into the batch (``[B * N, F, C]``, for the
+    blocks of another stack) a row is a token, which the op rules cannot tell, so it stays
+    unseen (``None``) for the data-flow rules (``tokens-folded-into-batch``).
     """
     if not is_tensorish(node.meta.get("tread_meta")):
-        return None  # an int is a count only by how it sizes the stream (token_counts)
+        return None  # an int is a count only by how it sizes the stream (count_arguments)
     if not any(u in region and u not in block_nodes for u in node.users):
         return None
     stream = _forward(stream_start, region)
@@ -242,8 +252,7 @@ def batch_broadcast(
     """The stream's batch dim, if ``node`` has size 1 there, the stream's rank, and every
     use of it is an elementwise op (inside the region) with a stream value of the full batch;
     else ``None``."""
-    meta = node.meta.get("tread_meta")
-    shape = meta.shape if isinstance(meta, TensorMeta) else None
+    shape = _shape(node)
     rank = len(stream_start.meta["tread_meta"].shape)
     dim = layout.batch_dim
     if shape is None or len(shape) != rank or dim >= rank or shape[dim] != 1:
@@ -263,3 +272,118 @@ def batch_broadcast(
 def _batch(node: fx.Node, dim: int) -> int | None:
     meta = node.meta.get("tread_meta")
     return meta.shape[dim] if isinstance(meta, TensorMeta) and dim < len(meta.shape) else None
+
+
+def count_arguments(
+    info: StreamInfo,
+    route: Route,
+    layout: StreamLayout,
+    kept_tokens: int,
+    passed: set[fx.Node],
+    name: Callable[[BlockCall, tuple], str],
+    skip: set[tuple],
+    uses: dict,
+) -> list[tuple[fx.Node, tuple, int]]:
+    """Int arguments of the route's blocks that count tokens of the routed stream.
+
+    Args:
+        info: The located stream.
+        route: The route.
+        layout: The stream layout at the route start (its never-routed prefix and suffix).
+        kept_tokens: Tokens of the routed stream at the route start (prefix, suffix included).
+        passed: Values entering the route unchanged (their lengths are other counts).
+        name: The parameter name a block's argument slot fills (for messages).
+        skip: ``(node, slot)`` pairs already rewritten (the patch grid's height).
+        uses: Per block node, its :class:`~tread_fx.passes.plan.uses.BlockUses`
+            (:func:`sizes_tokens`); in a block that cannot be traced through, an int equal
+            to a count is taken for one, with a warning.
+
+    Returns:
+        ``(block node, slot, number after routing)`` for each argument whose number changes.
+
+    Raises:
+        SideInputError: A number matches counts that routing changes differently.
+    """
+    prefix, suffix = layout.prefix, layout.suffix
+    tokens = stream_tokens(info.blocks[route.start], info)
+    others = _other_sequences(info.blocks[route.start], info, passed, name)
+    found = []
+    paths = {b.list_path for b in info.blocks[route.start : route.end]}
+    constant = {path: _constant_slots(info, path) for path in paths}
+    for block in info.blocks[route.start : route.end]:
+        shift = stream_tokens(block, info) - tokens  # tokens concatenated in front (crossing)
+        counts = [
+            ("the routed part of the stream (less its never-routed prefix and suffix)",
+             tokens - prefix - suffix, kept_tokens - prefix - suffix),
+            ("the whole stream", tokens + shift, kept_tokens + shift),
+            ("the never-routed prefix of the stream", prefix + shift, prefix + shift),
+        ]  # fmt: skip
+        if suffix:
+            counts.append(("the never-routed suffix of the stream", suffix, suffix))
+        traced = uses.get(block.node) is not None
+        counts += [] if traced else others  # traced: a count sizes the stream's own tokens
+        for slot, number in int_arguments(block.node):
+            unchanged = (block.node, slot) in skip or slot not in constant[block.list_path]
+            if unchanged or not sizes_tokens(uses, block.node, slot):
+                continue
+            matches = [(what, new) for what, value, new in counts if value == number]
+            if len({new for _, new in matches}) > 1:
+                raise SideInputError(_ambiguous(block, name(block, slot), number, matches))
+            if matches and matches[0][1] != number:
+                found.append((block.node, slot, matches[0][1]))
+                if not traced:
+                    warnings.warn(_guessed(block, name(block, slot), number), stacklevel=2)
+    return found
+
+
+def sizes_tokens(uses: dict, node: fx.Node, slot: tuple) -> bool:
+    """Whether the block call ``node`` uses the int in ``slot`` as a token count (it sizes,
+    slices or splits a token dim); in a block that cannot be traced through, any int may.
+
+    Example:
+        >>> sizes_tokens({}, None, ("arg", 2))
+        True
+    """
+    return uses.get(node) is None or slot in uses[node].counts
+
+
+def _guessed(block: BlockCall, name: str, number: int) -> str:
+    return (
+        f"block {block.index} ({block.path}) receives the number {number} as '{name}', equal "
+        "to a token count, and cannot be traced through to see whether it sizes the tokens; "
+        "it is told the kept count. If it is not a count, route blocks that do not take it "
+        "(blocks=)."
+    )
+
+
+def _other_sequences(
+    block: BlockCall, info: StreamInfo, passed: set[fx.Node], name: Callable
+) -> list[tuple[str, int, int]]:
+    """Lengths of other token sequences ([B, T, ...] tensors) the block receives unchanged:
+    (what the number counts, its value when traced, its value after routing)."""
+    counts = []
+    for key, value in input_slots(block.node).items():
+        meta = value.meta.get("tread_meta")
+        if value in passed and isinstance(meta, TensorMeta) and len(meta.shape) >= 3:
+            length = meta.shape[info.layout.token_dim]
+            what = f"the length of the sequence '{name(block, key)}' the block also receives"
+            counts.append((what, length, length))
+    return counts
+
+
+def _constant_slots(info: StreamInfo, list_path: str) -> set[tuple]:
+    """Int slots holding the same number in every block of the list at ``list_path``."""
+    values = [dict(int_arguments(b.node)) for b in info.blocks if b.list_path == list_path]
+    return {k for k, v in values[0].items() if all(d.get(k) == v for d in values)}
+
+
+def _ambiguous(block: BlockCall, name: str, number: int, matches: list[Any]) -> str:
+    meanings = "; ".join(f"{what} (told {new} after routing)" for what, new in matches)
+    return (
+        f"block {block.index} ({block.path}) receives the number {number} as its argument "
+        f"'{name}', and {number} is the token count of several things that routing changes "
+        f"differently: {meanings}. tread_fx cannot tell which one the block counts, so it "
+        "cannot tell the block the right number for the kept tokens. Make the counts differ "
+        "(another input size or history/context length), pass keep_prefix= if the prefix was "
+        "detected wrongly, or route blocks that do not take the number (blocks=)."
+    )

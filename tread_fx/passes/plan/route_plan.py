@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import networkx as nx
@@ -33,13 +33,19 @@ from tread_fx.passes.locate.layout import (
     ends_where_stream_changes,
     family_slots,
     grid_arguments,
+    member_prologue,
     non_token_carried,
+    stream_entering,
     stream_prefix,
 )
-from tread_fx.passes.locate.member_entry import member_prologue, stream_entering
 from tread_fx.passes.locate.stream import BlockCall, StreamInfo
-from tread_fx.passes.plan.region_uses import in_stream_layout, route_uses, side_value
-from tread_fx.passes.plan.token_counts import count_arguments, sizes_tokens
+from tread_fx.passes.plan.region_uses import (
+    count_arguments,
+    in_stream_layout,
+    route_uses,
+    side_value,
+    sizes_tokens,
+)
 from tread_fx.passes.plan.uses import how_used, shape_warning
 from tread_fx.passes.trace.tracer import TensorMeta
 from tread_fx.routes import Route
@@ -116,15 +122,11 @@ def _looks_token_aligned(side: SideValue) -> bool:
     """Any dim (but a batch dim of size B) has N, N - prefix or the routable count of
     entries, e.g. a [N, d] table."""
     layout = side.stream
-    sizes = layout.token_counts
     return any(
-        isinstance(m, TensorMeta)
-        and any(
-            s in sizes
-            for d, s in enumerate(m.shape)
-            if not (d == layout.batch_dim and s == layout.batch_size)
-        )
+        s in layout.token_counts and not (d == layout.batch_dim and s == layout.batch_size)
         for m in _items(side.meta)
+        if isinstance(m, TensorMeta)
+        for d, s in enumerate(m.shape)
     )
 
 
@@ -178,8 +180,7 @@ def _classify_entering(side: SideValue, users, carried_slot, family, strict: boo
             f"({side.stream.num_tokens} tokens), but no rule says how to fit it to the kept "
             "tokens. Register a tread_fx.adapters.Adapter for it (action 'gather' or 'pass'), "
             "or pass strict=False to gather token-aligned values and pass the rest."
-        )
-        message += how_used(side)
+        ) + how_used(side)
         if notes:
             message += " Rules meant for it declined: " + "; ".join(notes) + "."
         if strict:
@@ -215,10 +216,8 @@ def _entering(g, plan_args, region, info, layout, strict) -> list[Crossing]:
 
 def _leaving(region, info, route, stream, entering, layout, non_token=frozenset()) -> list:
     stream_start, stream_end = stream
-    start = info.blocks[route.start]
-    start_slots = input_slots(start.node)
     gathered = {c.node for c in entering if c.action != "pass"}
-    counterparts = _carried_counterparts(info, route, start_slots)
+    counterparts = _carried_counterparts(info, route)
     crossings = []
     for node in _in_order(region):
         outside = [u for u in node.users if u not in region and (u.users or u.op == "output")]
@@ -226,13 +225,13 @@ def _leaving(region, info, route, stream, entering, layout, non_token=frozenset(
             continue
         meta = node.meta.get("tread_meta")
         if node is stream_end:
-            decided = ("scatter", "token stream", stream_start)
+            action, reason, counterpart = "scatter", "token stream", stream_start
         elif node in counterparts and counterparts[node] in gathered:
-            decided = ("scatter", "carried token stream", counterparts[node])
+            action, reason, counterpart = "scatter", "carried token stream", counterparts[node]
         elif node in non_token:
-            decided = ("pass", "carried non-token stream", None)
+            action, reason, counterpart = "pass", "carried non-token stream", None
         elif in_stream_layout(meta, layout) and meta == stream_start.meta.get("tread_meta"):
-            decided = ("scatter", "stream-shaped value", stream_start)
+            action, reason, counterpart = "scatter", "stream-shaped value", stream_start
         elif any(in_stream_layout(m, layout) for m in _items(meta)):
             users = ", ".join(u.name for u in outside)
             raise SideInputError(
@@ -243,8 +242,7 @@ def _leaving(region, info, route, stream, entering, layout, non_token=frozenset(
                 "produced or after it is consumed), or pass blocks= to exclude that code."
             )
         else:
-            decided = ("pass", "not token-aligned", None)
-        action, reason, counterpart = decided
+            action, reason, counterpart = "pass", "not token-aligned", None
         crossings.append(Crossing(node, action, reason, outside, counterpart))
     return crossings
 
@@ -261,9 +259,10 @@ def _items(meta: Any) -> tuple:
     return tuple(meta) if isinstance(meta, (tuple, list)) else (meta,)
 
 
-def _carried_counterparts(info: StreamInfo, route: Route, start_slots) -> dict[fx.Node, fx.Node]:
+def _carried_counterparts(info: StreamInfo, route: Route) -> dict[fx.Node, fx.Node]:
     """Map values that re-enter a carried slot at the route end to that slot at the start."""
     start = info.blocks[route.start]
+    start_slots = input_slots(start.node)
     pairs = {}
     if route.end < info.depth:
         end = info.blocks[route.end]
@@ -353,8 +352,7 @@ def plan_route(
     segments = segment_boundaries(entering) if layout.batch_size == 1 else None
     if layout.batch_dim == NO_BATCH_DIM or segments is not None:
         check_packed_strategy(strategy.name, strategy.needs_grid)
-    per_unit = layout.routable // units
-    kept_tokens = layout.prefix + keep * per_unit + layout.suffix
+    kept_tokens = layout.prefix + keep * (layout.routable // units) + layout.suffix
     passed = {c.node for c in entering if c.action == "pass"}
     name = lambda block, slot: argument_name(_module_of(block.node), slot)  # noqa: E731
     counts = count_arguments(info, route, layout, kept_tokens, passed, name, set(heights), uses)
@@ -377,17 +375,17 @@ def _boundary(gm, g, info: StreamInfo, route: Route, strict: bool, grid=None, pi
     enters it; a later piece of a split route has no never-routed prefix, suffix or grid."""
     region, stream_start, stream_end = _region(g, info, route)
     start = info.blocks[route.start]
-    shape = stream_start.meta["tread_meta"].shape
-    tokens = shape[info.token_dim]
+    shape, first = stream_start.meta["tread_meta"].shape, info.layout
+    tokens = shape[first.token_dim]
     # a packed stream has no batch dim (batch size 1)
-    batch = info.batch_size if info.batch_dim == NO_BATCH_DIM else shape[info.batch_dim]
+    batch = first.batch_size if first.batch_dim == NO_BATCH_DIM else shape[first.batch_dim]
     if piece:
         prefix, grid, suffix = 0, None, 0
     else:  # a longer later stream keeps the image part (and its suffix) last
-        prefix, suffix = stream_prefix(g, info, start), info.suffix
-        grid = grid if tokens == info.num_tokens else None
-    layout = StreamLayout(
-        info.batch_dim, info.token_dim, batch, tokens, prefix, grid, suffix, folded=info.folded
+        prefix, suffix = stream_prefix(g, info, start), first.suffix
+        grid = grid if tokens == first.num_tokens else None
+    layout = replace(
+        first, batch_size=batch, num_tokens=tokens, prefix=prefix, grid=grid, suffix=suffix
     )
     uses = route_uses(gm, info, route, region, layout)
     entering = _entering(g, (start, stream_start, uses), region, info, layout, strict)

@@ -1,10 +1,9 @@
 """What a value entering routed blocks is, decided by how the blocks use it (never its name).
 
 Each routed block class is traced through once on the real inputs it received while the
-model was traced (the machinery of :mod:`tread_fx.passes.plan.inline_tables`), with every int
-argument replaced by a tagged int that remembers where it came from. Each tensor input is
-then followed forward through the block's tensor data flow (a size read is no data), and
-the uses it meets decide what it is (first match in this order):
+model was traced, its int arguments tagged with their slots; each tensor input is followed
+forward through the block's data flow (a size read is no data), and the uses it meets decide
+what it is (first match in this order):
 
 - ``mask``: the ``attn_mask`` of ``scaled_dot_product_attention`` or
   ``nn.MultiheadAttention``, added to ``q @ k^T`` scores (``+`` or ``baddbmm``) or combined
@@ -21,22 +20,25 @@ the uses it meets decide what it is (first match in this order):
   the rules decide by its shape against the stream and say so (:func:`shape_warning`).
 - ``none``: none of these (per-sample, global, unused): passed.
 
-An int argument is a count only if it sizes, slices or splits a token dim of a tensor
-computed from the stream (:mod:`tread_fx.passes.plan.token_counts`). A block that cannot be
-traced through has no uses (``None``). Module calls inside a routed block that are no block
-of the stack (the attention of a ``[norm, attention, residual]`` member) are decided the same
-way (:func:`call_uses`, :mod:`tread_fx.passes.plan.region_uses`), and so are the tables a block
-builds itself (:func:`built_table_uses`, :mod:`tread_fx.passes.plan.inline_tables`).
-
-Names play no part here (nor anywhere a side value is decided); the plan shows them as hints.
+Each int argument is tagged with its slot (:class:`TaggedInt`) and is a count only if it
+sizes, slices or splits a token dim of a stream tensor (``view``/``reshape``/``unflatten``,
+``x[:, -n:]``, ``split``, ``narrow``: :func:`count_slots`), never by its value alone (a head
+dim may equal the token count). A block that cannot be traced through has no uses (``None``).
+Other module calls (:func:`call_uses`) and the tables a block builds (:func:`built_table_uses`)
+are decided the same way. Names play no part here (nor anywhere a side value is decided).
 
 Example:
     >>> Use.MASK.value
     'mask'
+    >>> (TaggedInt(16, ("arg", 2)) - 4).slot
+    ('arg', 2)
 """
 
 from __future__ import annotations
 
+import math
+import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -44,13 +46,16 @@ from typing import Any
 import torch.fx as fx
 from torch import nn
 
-from tread_fx.adapters.values import SideValue
-from tread_fx.passes.plan.token_counts import _name, _shape, count_slots, tagged_example
+from tread_fx.adapters.values import SideValue, TensorMeta
+from tread_fx.passes.locate.dataflow import argument_items
 from tread_fx.passes.trace.block import example_of, is_tensorish, trace_through
 
 __all__ = [
     "Use",
     "BlockUses",
+    "TaggedInt",
+    "count_slots",
+    "tagged_example",
     "built_table_uses",
     "call_uses",
     "strongest",
@@ -70,7 +75,7 @@ class Use(str, Enum):
     NONE = "none"
 
 
-_ORDER = (Use.MASK, Use.IDS, Use.TABLE, Use.CONTEXT, Use.UNKNOWN)
+_ORDER = (Use.MASK, Use.IDS, Use.TABLE, Use.CONTEXT, Use.UNKNOWN, Use.NONE)
 
 
 _SDPA = "scaled_dot_product_attention"
@@ -84,6 +89,20 @@ _ELEMENTWISE = {"add", "sub", "mul", "div", "truediv", "iadd", "isub", "imul", "
                 "__radd__", "__rmul__", "__rsub__", "lerp"}  # fmt: skip
 _INDEX = {"embedding", "index_select", "take_along_dim", "gather"}
 _CAT = {"cat", "concat", "concatenate", "stack"}
+_RESHAPE = {"view", "reshape", "unflatten"}
+_SPLIT = {"split", "split_with_sizes", "narrow", "tensor_split"}
+
+
+def _name(node: fx.Node) -> str:
+    target = node.target
+    if node.op == "call_module":
+        return "module"
+    return target if isinstance(target, str) else getattr(target, "__name__", str(target))
+
+
+def _shape(value: Any) -> tuple[int, ...] | None:
+    meta = value.meta.get("tread_meta") if isinstance(value, fx.Node) else None
+    return meta.shape if isinstance(meta, TensorMeta) else None
 
 
 def _op_name(node: fx.Node) -> str:
@@ -214,17 +233,17 @@ def _joined_lengths(graph: fx.Graph, stream: set[fx.Node], tokens: set[int]) -> 
     for node in graph.nodes:
         if node in stream and _name(node) in ("cat", "concat", "concatenate") and node.args:
             dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
-            parts = [a for a in node.args[0] if isinstance(a, fx.Node) and a in stream]
+            sizes = [_shape(a) for a in node.args[0] if isinstance(a, fx.Node) and a in stream]
             out = _shape(node)
-            sizes = [_shape(p) for p in parts]
             if out and isinstance(dim, int) and any(z and z[dim] in tokens for z in sizes):
                 tokens.add(out[dim])
     return tokens
 
 
-def _stream_context(gm: fx.GraphModule, starts: list[fx.Node], tokens: set[int]) -> tuple:
-    """(nodes computed from the stream inputs ``starts``, the classifier's context)."""
-    stream = set().union(*(_forward(s) for s in starts))
+def _stream_context(gm: fx.GraphModule, stream_at: Any, tokens: set[int]) -> tuple:
+    """(nodes computed from the placeholders at ``stream_at``, the classifier's context)."""
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    stream = set().union(*(_forward(placeholders[i]) for i in stream_at))
     return stream, (_joined_lengths(gm.graph, stream, tokens), gm)
 
 
@@ -247,8 +266,7 @@ def built_table_uses(
     Example:
         >>> # see tread_fx.passes.plan.inline_tables.find_token_tables
     """
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    stream, ctx = _stream_context(gm, [placeholders[i] for i in stream_at], tokens)
+    stream, ctx = _stream_context(gm, stream_at, tokens)
     return {t: _classify_tensor(t, stream, ctx) for t in tables}
 
 
@@ -265,7 +283,7 @@ def _class_uses(gm, node: fx.Node, stream_at, example: Any, leaves, tokens, toke
     for i in stream_at:  # the call's own stream length counts too
         own = _shape(placeholders[i])
         tokens = tokens | ({own[token_dim]} if own and token_dim < len(own) else set())
-    stream, ctx = _stream_context(traced.gm, [placeholders[i] for i in stream_at], tokens)
+    stream, ctx = _stream_context(traced.gm, stream_at, tokens)
     tokens = ctx[0]
     uses = [
         Use.TABLE if i in stream_at else _classify_tensor(ph, stream, ctx)
@@ -302,14 +320,13 @@ def call_uses(
         return None
     example, leaves = kept
     stream_at = frozenset(i for i, (n, _) in enumerate(leaves) if n in stream)
-    module = gm.get_submodule(node.target)
-    key = (type(module), id(example), frozenset(tokens), token_dim, stream_at)
+    module = type(gm.get_submodule(node.target))
+    key = (module, id(example), frozenset(tokens), token_dim, stream_at)
     if key not in by_class:
         by_class[key] = _class_uses(gm, node, stream_at, example, leaves, tokens, token_dim)
-    known = by_class[key]
-    if known is None:
+    if by_class[key] is None:
         return None
-    uses, counts, ops = known
+    uses, counts, ops = by_class[key]
     return BlockUses(dict(zip(leaves, uses)), counts, dict(zip(leaves, ops)))
 
 
@@ -320,10 +337,7 @@ def strongest(uses: set[Use | None]) -> Use | None:
         >>> strongest({Use.CONTEXT, Use.TABLE})
         <Use.TABLE: 'table'>
     """
-    for use in (*_ORDER, Use.NONE):
-        if use in uses:
-            return use
-    return None
+    return next((use for use in _ORDER if use in uses), None)
 
 
 def shape_warning(side: SideValue, rule: str) -> str:
@@ -348,13 +362,115 @@ def how_used(side: SideValue) -> str:
     Example:
         >>> # see tests/test_adapters.py (a table handed to a leaf module)
     """
+    ops = ", ".join(sorted(side.reaches))
     if side.use in (None, Use.UNKNOWN.value):
         if not side.reaches:
             return " No block receiving it could be traced through to see how it is used."
-        ops = ", ".join(sorted(side.reaches))
         return f" It meets the stream in {ops}, which tread_fx cannot see into."
-    ops = ", ".join(sorted(side.reaches)) or "nothing"
     return (
-        f" The blocks use it in {ops}, none of which says which dims are tokens (no "
+        f" The blocks use it in {ops or 'nothing'}, none of which says which dims are tokens (no "
         "attention mask, elementwise table, ids or attended context)."
     )
+
+
+def _tagged(op: Callable[[int, Any], Any]) -> Callable[[TaggedInt, Any], Any]:
+    """A :class:`TaggedInt` method: ``op`` on its value, an int result keeping its slot."""
+
+    def method(self: TaggedInt, other: Any) -> Any:
+        return self._keep(op(int(self), other))
+
+    return method
+
+
+class TaggedInt(int):
+    """An int that remembers which argument slot it came from, through +, -, *, //."""
+
+    slot: tuple
+
+    def __new__(cls, value: int, slot: tuple) -> TaggedInt:
+        tagged = super().__new__(cls, value)
+        tagged.slot = slot
+        return tagged
+
+    def _keep(self, value: Any) -> Any:
+        return TaggedInt(value, self.slot) if type(value) is int else value
+
+    __add__ = _tagged(operator.add)
+    __radd__ = _tagged(lambda value, other: other + value)
+    __sub__ = _tagged(operator.sub)
+    __rsub__ = _tagged(lambda value, other: other - value)
+    __mul__ = _tagged(operator.mul)
+    __rmul__ = _tagged(lambda value, other: other * value)
+    __floordiv__ = _tagged(operator.floordiv)
+
+    def __neg__(self):  # noqa: D105
+        return TaggedInt(-int(self), self.slot)
+
+    def __reduce__(self):  # noqa: D105
+        return int, (int(self),)
+
+
+def _tags(value: Any) -> set[tuple]:
+    if isinstance(value, TaggedInt):
+        return {value.slot}
+    if isinstance(value, slice):
+        return _tags(value.start) | _tags(value.stop)
+    if isinstance(value, (tuple, list)):
+        return set().union(*(_tags(v) for v in value))
+    return set()
+
+
+def count_slots(node: fx.Node, tokens: set[int]) -> set[tuple]:
+    """Slots of tagged ints that size, slice or split a token dim at ``node`` (a node of a
+    block traced through on :func:`tagged_example` inputs)."""
+    name, shape = _name(node), _shape(node.args[0]) if node.args else None
+    if shape is None:
+        return set()
+    if name in _RESHAPE:
+        return _reshaped(node, shape, tokens)
+    if name == "getitem":
+        index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+        if Ellipsis in index or None in index:
+            return set()
+        sliced = [item for d, item in enumerate(index) if d < len(shape) and shape[d] in tokens]
+        return _tags(sliced)
+    if name in _SPLIT:
+        dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else 0)
+        dim = node.args[1] if name == "narrow" else dim
+        if isinstance(dim, int) and -len(shape) <= dim < len(shape) and shape[dim] in tokens:
+            return _tags(list(node.args[1:]) + list(node.kwargs.values()))
+    return set()
+
+
+def _reshaped(node: fx.Node, shape: tuple[int, ...], tokens: set[int]) -> set[tuple]:
+    """Tagged sizes of a view/reshape that fall inside an input token dim's extent."""
+    sizes = node.args[1:]
+    if _name(node) == "unflatten":
+        dim = node.args[1]
+        if not isinstance(dim, int) or shape[dim % len(shape)] not in tokens:
+            return set()
+        return _tags(node.args[2:])
+    if len(sizes) == 1 and isinstance(sizes[0], (tuple, list)):
+        sizes = sizes[0]
+    out = _shape(node)
+    if out is None or len(out) != len(sizes):
+        return set()
+    bounds = [math.prod(shape[:d]) for d in range(len(shape) + 1)]
+    token_spans = [(bounds[d], bounds[d + 1]) for d, s in enumerate(shape) if s in tokens]
+    found: set[tuple] = set()
+    for d, size in enumerate(sizes):
+        low, high = math.prod(out[:d]), math.prod(out[: d + 1])
+        if any(lo <= low and high <= hi for lo, hi in token_spans) and _tags(size):
+            found |= _tags(size)
+    return found
+
+
+def tagged_example(example: Any, node: fx.Node) -> Any:
+    """The block call's example ``(args, kwargs)`` with each int argument tagged by its slot."""
+    args, kwargs = list(example[0]), dict(example[1])
+    for slot, _ in argument_items(node):
+        kind, key = slot
+        holder = args if kind == "arg" else kwargs
+        if (key < len(holder) if kind == "arg" else key in holder) and type(holder[key]) is int:
+            holder[key] = TaggedInt(holder[key], slot)
+    return tuple(args), kwargs

@@ -84,8 +84,7 @@ def _gathered_meta(meta: Any, crossing: Crossing, plan: RoutePlan) -> Any:
 
 
 def _add_noise_input(graph: fx.Graph, plan: RoutePlan) -> fx.Node:
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    with graph.inserting_after(placeholders[-1]):
+    with graph.inserting_after(graph.find_nodes(op="placeholder")[-1]):
         noise = graph.placeholder(f"{NOISE_PREFIX}{plan.index}")
     return _mark(noise, None, "noise", plan.index)
 

@@ -1,10 +1,9 @@
 """Tracing one routed block through, on the real inputs its class received.
 
-A routed block is a single call in the traced model graph. To see what it does with its
-inputs (:mod:`tread_fx.passes.plan.uses`) or to splice it in with its token tables cut
+A routed block is a single call in the model graph. To see what it does with its inputs
+(:mod:`tread_fx.passes.plan.uses`) or to splice it in with its token tables cut
 (:mod:`tread_fx.passes.plan.inline_tables`), it is traced through on the example inputs the
-model trace kept for its class and call signature (``node.meta[EXAMPLE_KEY]``), which
-:func:`example_of` finds for a call.
+model trace kept for its class and call signature (:func:`example_of` finds them).
 
 Example:
     >>> is_tensorish((None, TensorMeta((2, 3), torch.float32, "cpu")))
@@ -125,12 +124,11 @@ def example_of(gm: fx.GraphModule, node: fx.Node) -> tuple[Any, list] | None:
 def trace_through(module: nn.Module, example: Any, *, inlined: bool) -> TracedCall | None:
     """``module`` (a routed block) traced through on its example inputs, or ``None``.
 
-    A block to be ``inlined`` has no hooks, nor any of its parts (inlining would skip them),
-    and reads no tensor data (its guards would check another block's data). For its graph
-    only (``inlined=False``: :mod:`tread_fx.passes.plan.uses`), hooks and data guards are fine:
-    parts with hooks are traced through from inside a real call of each, and a block whose
-    forward cannot run outside its own call is traced from inside one (the hooks run once more,
-    without gradients).
+    A block to be ``inlined`` has no hooks in any part (inlining would skip them) and reads no
+    tensor data (its guards would check another block's data). For its graph only
+    (``inlined=False``), hooks and data guards are fine: parts with hooks are traced from
+    inside a real call of each, and so is a block whose forward cannot run outside its own call
+    (the hooks run once more, without gradients).
     """
     if inlined and any(has_call_hooks(m) for m in module.modules()):
         return None
@@ -153,12 +151,9 @@ def _trace_forward(module: nn.Module, example: Any, through_hooks: bool) -> Trac
 
 
 def _trace_inside_call(module: nn.Module, example: Any) -> TracedCall | None:
-    """``module``'s forward traced from inside one real call of it, after its pre-hooks ran.
-
-    A block's own hooks may set the state its forward needs (FSDP2's ``fully_shard`` gathers
-    the parameters in a pre-hook). A last pre-hook traces the forward on the arguments the
-    hooks hand on; the call then runs to its end, so the hooks leave the block as they found it.
-    """
+    """``module``'s forward traced by a last pre-hook of one real call of it, on the arguments
+    its hooks hand on (FSDP2's ``fully_shard`` gathers the parameters in a pre-hook); the call
+    then runs to its end, so the hooks leave the block as they found it."""
     found: list[TracedCall | None] = []
 
     def trace_here(hooked: nn.Module, args: tuple, kwargs: dict) -> None:

@@ -1,12 +1,11 @@
 """Concatenations along a dim: ``torch.cat`` nodes, and leaf functions whose values show one.
 
-A leaf function (einops ``pack``, a registered helper) is one opaque node in the graph: a
-concatenation of tokens inside it (``pack([x, registers], "b * d")``) is invisible to the
-passes that look for ``torch.cat`` (:mod:`tread_fx.passes.locate.dims`). While tracing, the
-leaf's real output is compared with its tensor inputs laid out one after another along each
-dim; where the values are equal, the node records that dim and the part sizes. The data
-decide, never the function's name or library. :func:`concatenation_parts` answers for both
-kinds of node.
+A concatenation of tokens inside a leaf function (``pack([x, registers], "b * d")``) is
+invisible to the passes that look for ``torch.cat`` (:mod:`tread_fx.passes.locate.dims`).
+While tracing, the leaf's real output is compared with its tensor inputs laid out one after
+another along each dim; where the values are equal, the node records that dim and the part
+sizes (the data decide, never the function's name). :func:`concatenation_parts` answers for
+both kinds of node.
 """
 
 from __future__ import annotations
@@ -106,9 +105,8 @@ def record_leaf_concatenation(node: fx.Node, value: Any, values: dict[fx.Node, A
 
 
 def concatenation_parts(node: fx.Node, dim: int) -> tuple[list[fx.Node], list[int]] | None:
-    """``(parts, sizes)`` when ``node`` concatenates tensors along ``dim``: a ``torch.cat``,
-    or a leaf call (or an item of its result) whose values showed one (see
-    :func:`record_leaf_concatenation`); else ``None``.
+    """``(parts, sizes)`` when ``node`` concatenates tensors along ``dim``: a ``torch.cat``, or
+    a leaf call (or an item of its result) whose values showed one; else ``None``.
 
     Args:
         node: Any graph node.

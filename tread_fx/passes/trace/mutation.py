@@ -1,16 +1,13 @@
 """Tracing forwards that mutate tensors or their module, or call type-checking libraries.
 
 - **Item assignment** (``mask[:, :n] = 1``): one out-of-place :func:`functional_setitem` node,
-  which the assigned-into Python object stands for from then on (later uses read it).
-- **In-place methods** (``x.add_(y)``) are recorded as they are (they run in order), and
-  :func:`thread_inplace` makes later users of the mutated value read the in-place node, so
-  data flow (what the planner sees) follows the mutation.
+  which the assigned-into Python object stands for from then on.
+- **In-place methods** (``x.add_(y)``) are recorded as they are, and :func:`thread_inplace`
+  makes later users of the mutated value read the in-place node (data flow follows it).
 - **Library functions that type-check their arguments** (einops' ``rearrange`` rejects a
-  proxy): :func:`library_function_of` finds, in the failed trace's traceback, the library
-  function the model's code called, to trace again with it as a leaf function. No
-  per-library code.
-- **Changes to the module** (:func:`side_effects`): flags a forward sets, in-place writes to
-  its parameters and buffers.
+  proxy): :func:`library_function_of` finds in the traceback the library function the model's
+  code called, to trace again with it as a leaf function (no per-library code).
+- **Changes to the module** (:func:`side_effects`): flags set, in-place writes to its state.
 
 Example:
     >>> import torch
@@ -68,11 +65,8 @@ def is_inplace_method(node: fx.Node) -> bool:
 
 
 def thread_inplace(graph: fx.Graph) -> None:
-    """Make later users of a value mutated in place read the in-place node instead.
-
-    In-place tensor methods return the tensor they mutate, so the rewiring changes no value;
-    it makes the graph's data flow say that later readers depend on the mutation.
-    """
+    """Make later users of a value mutated in place read the in-place node instead (it returns
+    the tensor it mutates, so no value changes; later readers now depend on the mutation)."""
     order = {node: i for i, node in enumerate(graph.nodes)}
     for node in list(graph.nodes):
         if not is_inplace_method(node) or not node.args or not isinstance(node.args[0], fx.Node):
@@ -82,34 +76,21 @@ def thread_inplace(graph: fx.Graph) -> None:
             user.replace_input_with(mutated, node)
 
 
-def _is_library_file(filename: str) -> bool:
-    """A file of a library the model calls: not torch, the standard library or tread_fx."""
-    path = os.path.abspath(filename)
-    neutral = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.__file__) + os.sep)
-    return not path.startswith(neutral) and not own_file(path)
-
-
-def _function_of(frame: types.FrameType) -> Callable | None:
-    """The module-level function running in ``frame``, if it is one."""
-    fn = frame.f_globals.get(frame.f_code.co_name)
-    return fn if getattr(fn, "__code__", None) is frame.f_code else None
-
-
 def library_function_of(err: BaseException, model_files: set[str]) -> Callable | None:
-    """The library function the model's own code called when ``err`` was raised.
-
-    Walks the traceback to the last frame in the model's files (``model_files``, absolute
-    paths); the next frame, if it is a module-level function outside torch, the standard
-    library and tread_fx, is the library entry point that rejected a traced value (else
-    ``None``).
-    """
+    """The library function the model's own code called when ``err`` was raised: the frame
+    after the traceback's last one in ``model_files`` (absolute paths), if it is a module-level
+    function outside torch, the standard library and tread_fx (else ``None``)."""
     frames = [frame for frame, _ in traceback.walk_tb(err.__traceback__)]
     files = [os.path.abspath(f.f_code.co_filename) for f in frames]
     in_model = [i for i, f in enumerate(files) if f in model_files]
     if not in_model or in_model[-1] + 1 >= len(frames):
         return None
-    callee = frames[in_model[-1] + 1]
-    return _function_of(callee) if _is_library_file(callee.f_code.co_filename) else None
+    callee, path = frames[in_model[-1] + 1], files[in_model[-1] + 1]
+    neutral = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.__file__) + os.sep)
+    if path.startswith(neutral) or own_file(path):
+        return None
+    fn = callee.f_globals.get(callee.f_code.co_name)  # a module-level function only
+    return fn if getattr(fn, "__code__", None) is callee.f_code else None
 
 
 def defining_modules(fn: Callable) -> list[types.ModuleType]:

@@ -1,25 +1,34 @@
-"""Tracing aids for third-party models: what the value-carrying tracer patches while it runs
-(:func:`report_grad_mode`, :func:`factories_take_proxies`, :func:`refuse_python_random`,
-:func:`checkpoint_as_plain_call`), what its refusals raise (:class:`DataDependentError`, at
-:func:`user_frame`), and the messages of a refused trace.
+"""Tracing aids for third-party models: the patches the value-carrying tracer runs under
+(:func:`tread_fx.passes.trace.tracer.trace_restoring_state` enters them all), what its refusals
+raise (:class:`DataDependentError`, at :func:`user_frame`), and the messages of a refused trace.
 
 Every patch goes through :func:`tread_fx.passes.trace.thread_patch.thread_local_patch`, so only the
-tracing thread sees it (a new tracing patch must use it too);
-:func:`tread_fx.passes.trace.tracer.trace_restoring_state` enters them all.
+tracing thread sees it (a new tracing patch must use it too). Code decorated with
+``@torch.compile`` runs its original Python; ``torch.is_tensor``, ``isinstance`` and
+``callable`` in the model's own code answer by the value a traced value stands for.
 
 Example:
     >>> has_call_hooks(nn.Linear(2, 2))
     False
+    >>> from tread_fx.passes.trace.tracer import trace_call
+    >>> class Embed(torch.nn.Module):
+    ...     def forward(self, t):
+    ...         return t if torch.is_tensor(t) else torch.tensor([t])
+    >>> traced = trace_call(Embed(), (torch.ones(2),), {}, leaf_paths=set())
+    >>> [n.op for n in traced.gm.graph.nodes]
+    ['placeholder', 'output']
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
 import random
 import sys
 import types
+from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -47,6 +56,9 @@ __all__ = [
     "traceback_location",
     "untraceable_error",
     "store_object_constant",
+    "dynamo_wrappers_call_through",
+    "dynamo_wrappers_run_original",
+    "traced_values_are_tensors",
 ]
 
 _PYTHON_RANDOM = ("random", "uniform", "randint", "randrange", "choice", "sample", "shuffle")
@@ -61,12 +73,9 @@ _FACTORIES = (
 
 
 def factories_take_proxies(tracer: Any) -> AbstractContextManager:
-    """Record ``torch.ones(b, n)`` and ``t.expand(b, -1)`` with traced sizes as graph calls.
-
-    torch's argument parser rejects proxies as varargs sizes before ``__torch_function__``
-    can see them. Random factories called by traced code are always graph calls, even with
-    constant sizes, so a draw is never baked into the graph as a constant.
-    """
+    """Record ``torch.ones(b, n)`` and ``t.expand(b, -1)`` with traced sizes as graph calls
+    (torch's argument parser rejects proxies as varargs sizes before ``__torch_function__``
+    sees them), and random factories always, so a draw is never baked in as a constant."""
     random_factories = {"rand", "randn", "randint"}  # never baked in as constants
 
     def wrap(name: str, method: bool):
@@ -90,9 +99,8 @@ def factories_take_proxies(tracer: Any) -> AbstractContextManager:
 
 
 def report_grad_mode(tracer: Any, enabled: bool) -> AbstractContextManager:
-    """Let traced code see the caller's grad mode although the trace runs without grad (a
-    forward may checkpoint its blocks only under ``torch.is_grad_enabled()``); eager code
-    (leaves, torch internals) sees the truth."""
+    """Let traced code (run without grad) see the caller's grad mode (a forward may checkpoint
+    only under ``torch.is_grad_enabled()``); eager code (leaves, torch internals) sees the truth."""
 
     def make(original):
         def reported() -> bool:
@@ -158,10 +166,9 @@ def refuse_python_random(tracer: Any) -> AbstractContextManager:
 def checkpoint_as_plain_call(tracer: Any, model: nn.Module) -> AbstractContextManager:
     """Trace blocks called through activation checkpointing as plain, marked calls.
 
-    ``torch.utils.checkpoint.checkpoint(block, *args)`` (looked up in torch, imported into a
-    model's module, or held by a module, as a ``functools.partial`` too) becomes
-    ``block(*args)`` while tracing (``checkpoint(block.forward, *args)`` too); the nodes get
-    ``meta["tread_checkpoint"]`` and the rewrite pass calls them through checkpointing again.
+    ``checkpoint(block, *args)`` or ``checkpoint(block.forward, *args)`` (looked up in torch,
+    imported, or held by a module, as a ``functools.partial`` too) becomes ``block(*args)``; the
+    nodes get ``meta["tread_checkpoint"]`` and the rewrite pass checkpoints them again.
     """
     import torch.utils.checkpoint as ckpt
 
@@ -182,7 +189,7 @@ def checkpoint_as_plain_call(tracer: Any, model: nn.Module) -> AbstractContextMa
             return functools.partial(plain, *previous.args, **previous.keywords)
         return plain
 
-    namespaces = {id(ns): ns for ns in _forward_namespaces(model)}.values()
+    namespaces = _forward_namespaces(model)
     imported = [(ns, k) for ns in namespaces for k, v in list(ns.items()) if v is original]
     held = [
         (m.__dict__, k)
@@ -202,9 +209,8 @@ def _called_block(function: Any) -> Any:
     inner = function.func if isinstance(function, functools.partial) else function
     owner = getattr(inner, "__self__", None)
     forward = getattr(type(owner), "forward", None)
-    if not isinstance(owner, nn.Module) or getattr(inner, "__func__", None) is not forward:
-        return function
-    if has_call_hooks(owner):
+    calls_forward = isinstance(owner, nn.Module) and getattr(inner, "__func__", None) is forward
+    if not calls_forward or has_call_hooks(owner):
         return function
     if inner is function:
         return owner
@@ -230,7 +236,7 @@ def _forward_namespaces(model: nn.Module) -> list[dict]:
     classes = {c for m in model.modules() for c in type(m).__mro__ if "forward" in vars(c)}
     names = {c.__module__ for c in classes} - {nn.Module.__module__}
     modules = python_modules(model) + [sys.modules[n] for n in names if n in sys.modules]
-    return [vars(module) for module in modules]
+    return list({id(module): vars(module) for module in modules}.values())
 
 
 def side_effect_error(model: nn.Module, effects: list[str]) -> UntraceableModelError:
@@ -261,11 +267,8 @@ def untraceable_error(model: nn.Module, err: DataDependentError) -> UntraceableM
 
 
 def has_call_hooks(module: nn.Module) -> bool:
-    """Whether ``module`` has hooks that only its ``__call__`` runs (forward or backward).
-
-    Such a module is traced as one call instead of being inlined: an inlined FSDP2 unit would
-    compute with its sharded parameters (``fully_shard`` gathers them in a forward pre-hook).
-    """
+    """Whether ``module`` has hooks that only its ``__call__`` runs (forward or backward): it is
+    traced as one call, as an inlined FSDP2 unit would compute with its sharded parameters."""
     return bool(
         module._forward_pre_hooks
         or module._forward_hooks
@@ -297,11 +300,106 @@ def store_object_constant(root: nn.Module, obj: Any) -> str | None:
         >>> store_object_constant(root, cache), store_object_constant(root, cache)
         ('_tread_object_0', '_tread_object_0')
     """
-    if isinstance(obj, (nn.Module, torch.Tensor, tuple, list, dict, type)):
-        return None
-    if not hasattr(obj, "__dict__"):
+    containers = (nn.Module, torch.Tensor, tuple, list, dict, type)
+    if isinstance(obj, containers) or not hasattr(obj, "__dict__"):
         return None
     stored = {k: v for k, v in vars(root).items() if k.startswith(_OBJECT_PREFIX)}
     name = next((k for k, v in stored.items() if v is obj), f"{_OBJECT_PREFIX}{len(stored)}")
     setattr(root, name, obj)
     return name
+
+
+def dynamo_wrappers_call_through() -> AbstractContextManager:
+    """Let functions and modules optimized by ``torch.compile`` run their original code while
+    fx traces (dynamo's ``error_on_nested_fx_trace`` off); without ``torch._dynamo`` imported
+    nothing can be optimized."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is None:
+        return contextlib.nullcontext()
+    return dynamo.config.patch(error_on_nested_fx_trace=False)
+
+
+@contextlib.contextmanager
+def dynamo_wrappers_run_original() -> Iterator[None]:
+    """Run functions and modules optimized by ``torch.compile`` as their original code.
+
+    The routed graph runs under this when it is not compiled itself (``compile=False``), so a
+    block it calls whole is not compiled again for each routed token count and grad mode.
+    Uses dynamo's thread-local switch, else ``set_stance("force_eager")`` (torch >= 2.6);
+    older torch calls the decorated code.
+
+    Example:
+        >>> import torch
+        >>> double = torch.compile(lambda x: 2 * x, backend="eager")
+        >>> with dynamo_wrappers_run_original():  # runs the lambda itself
+        ...     double(torch.ones(1))
+        tensor([2.])
+    """
+    dynamo = sys.modules.get("torch._dynamo")
+    eager = getattr(getattr(dynamo, "eval_frame", None), "_use_eager_on_nested_compile", None)
+    if eager is not None:
+        with eager():
+            yield
+    elif dynamo is not None and hasattr(torch.compiler, "set_stance"):
+        with torch.compiler.set_stance("force_eager"):
+            yield
+    else:
+        yield
+
+
+def _is_model_frame(depth: int) -> bool:
+    """Whether the caller ``depth`` frames up, past the patch dispatcher, is outside torch
+    (torch's own code keeps seeing proxies as proxies)."""
+    frame = sys._getframe(depth + 1)
+    while frame is not None and frame.f_globals.get("__name__") == thread_local_patch.__module__:
+        frame = frame.f_back
+    name = frame.f_globals.get("__name__", "") if frame is not None else ""
+    return not (name == "torch" or name.startswith("torch."))
+
+
+def traced_values_are_tensors(tracer: Any, model: nn.Module) -> AbstractContextManager:
+    """Make ``torch.is_tensor`` and ``isinstance(v, torch.Tensor)`` true for traced tensors,
+    and ``callable(v)`` answer as for the value a traced value stands for.
+
+    Else ``if not torch.is_tensor(t): t = torch.tensor([t])`` takes a branch it never takes
+    eagerly. ``torch.is_tensor`` does so when called from outside torch; the model's modules see
+    such an ``isinstance`` (for tensors) and ``callable`` (always)."""
+
+    def stands_for_tensor(obj: Any) -> bool:
+        if not isinstance(obj, fx.Proxy) or obj.tracer is not tracer:
+            return False
+        return isinstance(tracer.value_of(obj), torch.Tensor)
+
+    original_is_tensor = torch.is_tensor
+
+    def is_tensor(obj: Any) -> bool:
+        if stands_for_tensor(obj) and _is_model_frame(1):
+            return True
+        return original_is_tensor(obj)
+
+    def traced_isinstance(obj: Any, classinfo: Any) -> bool:
+        if isinstance(obj, classinfo):
+            return True
+        if stands_for_tensor(obj):
+            return isinstance(tracer.value_of(obj), classinfo)
+        return False
+
+    def traced_callable(obj: Any) -> bool:
+        if isinstance(obj, fx.Proxy) and obj.tracer is tracer:
+            return callable(tracer.value_of(obj))
+        return callable(obj)
+
+    namespaces = {
+        id(ns): ns
+        for ns in map(vars, python_modules(model))
+        if not str(ns.get("__name__", "")).startswith(("torch.", "tread_fx."))
+    }.values()
+    imported = [(ns, k) for ns in namespaces for k, v in ns.items() if v is original_is_tensor]
+    shadowed = [ns for ns in namespaces if "isinstance" not in ns]
+    uncalled = [ns for ns in namespaces if "callable" not in ns]
+    return thread_local_patches(  # seen by the tracing thread only
+        [(torch, "is_tensor", lambda _: is_tensor)]
+        + [(ns, key, lambda _: is_tensor) for ns, key in imported]  # `from torch import is_tensor`
+        + [(ns, "isinstance", lambda _: traced_isinstance) for ns in shadowed]
+        + [(ns, "callable", lambda _: traced_callable) for ns in uncalled]
+    )

@@ -1,16 +1,12 @@
 """Patches that only the tracing thread sees.
 
-The tracer has to replace process-wide names while it runs (``torch.ones``, ``random.random``,
-``torch.is_grad_enabled``, ``nn.Module.__call__`` ...). :func:`thread_local_patch` is the one way
-it does so: the name gets a *dispatcher* (installed once, reference-counted, removed when the
-last patch of that name ends) that calls the replacement only in a thread that entered the
-patch, and the original everywhere else: a data-loading thread calling ``random.random()``
-during a first routed call sees the real one.
-
-:func:`fx_patches_in_this_thread` sends torch.fx's own patching (``nn.Module.__call__`` and
-``__getattr__``, wrapped and autowrapped functions) through the same mechanism, and
-:data:`TRACING_LOCK` lets one thread trace at a time (fx's tracer is not written for two
-concurrent traces); routed calls that do not trace never take it.
+The tracer replaces process-wide names while it runs (``torch.ones``, ``random.random``,
+``nn.Module.__call__`` ...) only through :func:`thread_local_patch`: the name gets a
+*dispatcher* (reference-counted, removed when the last patch of that name ends) that calls the
+replacement in a thread that entered the patch and the original elsewhere, so a data-loading
+thread calling ``random.random()`` during a first routed call sees the real one.
+:func:`fx_patches_in_this_thread` sends torch.fx's own patching through it too, and
+:data:`TRACING_LOCK` lets one thread trace at a time; routed calls that do not trace never take it.
 """
 
 from __future__ import annotations
@@ -41,10 +37,7 @@ _INSTALLED: dict[tuple[int, str], list] = {}
 
 
 def _stacks() -> dict[tuple[int, str], list[Callable]]:
-    stacks = getattr(_LOCAL, "stacks", None)
-    if stacks is None:
-        stacks = _LOCAL.stacks = {}
-    return stacks
+    return _LOCAL.__dict__.setdefault("stacks", {})
 
 
 def _read(target: Any, name: str) -> Any:
@@ -179,10 +172,10 @@ class _ThreadPatcher(fx_trace._Patcher):
         if is_dispatcher(current):
             stack = _stacks().get(current.__tread_dispatch__)
             current = stack[-1] if stack else current
-        if deduplicate and getattr(current, "__fx_already_patched", False):
+        if deduplicate and (
+            getattr(current, "__fx_already_patched", False) or is_dispatcher(current)
+        ):
             return  # an outer trace in this thread wrapped it (fx's wrappers serve any tracer)
-        if deduplicate and is_dispatcher(current):
-            return  # wrapped for this thread's outer trace already
         self._exits.enter_context(thread_local_patch(target, name, lambda previous: new_fn))
 
     patch_method = patch

@@ -1,13 +1,11 @@
 """Pass 1 — trace: turn a model call into a GraphModule, resolving shape-derived Python.
 
-Plain ``torch.fx.symbolic_trace`` fails on most real models because their forwards contain
-Python that reads shapes; :class:`~tread_fx.passes.trace.value_tracer.ValueTracer` runs the
-real computation beside the symbolic one, so such Python resolves as it does eagerly (the
-signature guard in ``tread_fx``, one trace per input shapes/dtypes/devices/non-tensor
-arguments, covers the specialisation). Where a submodule reads tensor data or draws Python
-random numbers (:class:`DataDependentError`), or does what fx cannot record, it becomes a
-leaf (auto-leaf) and the trace is retried; in the model's own ``forward`` the trace is
-refused with the file and line.
+:class:`~tread_fx.passes.trace.value_tracer.ValueTracer` runs the real computation beside the
+symbolic one, so Python that reads shapes resolves as it does eagerly (the signature guard,
+one trace per input shapes/dtypes/devices/non-tensor arguments, covers the specialisation).
+A submodule that reads tensor data, draws Python random numbers (:class:`DataDependentError`)
+or does what fx cannot record becomes a leaf (auto-leaf) and the trace is retried; in the
+model's own ``forward`` the trace is refused with the file and line.
 
 Example:
     >>> import torch
@@ -31,7 +29,6 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from tread_fx.adapters.values import TensorMeta
-from tread_fx.passes.trace.compat import research_code_patches
 from tread_fx.passes.trace.mutation import (
     defining_modules,
     drop_unused_sizes,
@@ -44,12 +41,14 @@ from tread_fx.passes.trace.support import (
     DataDependentError,
     call_python_modules,
     checkpoint_as_plain_call,
+    dynamo_wrappers_call_through,
     factories_take_proxies,
     name_placeholders,
     refuse_python_random,
     report_grad_mode,
     side_effect_error,
     traceback_location,
+    traced_values_are_tensors,
     untraceable_error,
 )
 from tread_fx.passes.trace.thread_patch import TRACING_LOCK, fx_patches_in_this_thread
@@ -83,8 +82,7 @@ class TracedCall:
         in_spec: Pytree spec of ``(args, kwargs)`` of the traced call.
         tensor_positions: Indices of the tensor leaves among the flattened inputs.
         out_spec: Pytree spec of the model's return value.
-        auto_leaves: Paths of submodules made leaves because they could not be traced,
-            with the reason.
+        auto_leaves: Paths of submodules made leaves (they could not be traced): the reason.
     """
 
     gm: fx.GraphModule
@@ -96,10 +94,8 @@ class TracedCall:
 
 
 class FlatCall(nn.Module):
-    """Calls ``model``'s original forward from a flat tuple of tensors.
-
-    Non-tensor arguments are constants of one trace (they are part of the signature key).
-    """
+    """Calls ``model``'s original forward from a flat tuple of tensors (non-tensor arguments
+    are constants of one trace: they are part of the signature key)."""
 
     def __init__(self, model: nn.Module, in_spec: pytree.TreeSpec, leaves: list[Any]) -> None:
         super().__init__()
@@ -135,8 +131,7 @@ def _flat_forward(num_tensors: int):
 
 def _new_leaf(path: str | None, auto_leaves: dict[str, str]) -> str | None:
     """The model-relative path to make a leaf after a failure in module ``path``, or ``None``
-    when none would change the next trace: no path, the model itself or a module handed in
-    as an argument (not one of the model's submodules), a path already a leaf, or the cap."""
+    (no path, not a submodule of the model, already a leaf, or the cap reached)."""
     if path is None or not path.startswith(MODEL_PREFIX) or len(auto_leaves) >= _MAX_AUTO_LEAVES:
         return None
     leaf = path[len(MODEL_PREFIX) :]
@@ -224,11 +219,9 @@ def trace_call(
 def trace_restoring_state(
     tracer: fx.Tracer, wrapper: nn.Module, model: nn.Module, tensors: list[torch.Tensor]
 ) -> fx.Graph:
-    """``tracer.trace(wrapper)`` under no_grad, leaving RNG state and ``model``'s buffers
-    (BatchNorm statistics) as they were; Python ``random`` is refused, factories take
-    proxies, checkpointed calls are traced as plain calls, and the patches for community and
-    research code apply (:mod:`tread_fx.passes.trace.compat`). Every patch is seen by this
-    thread only, and ``TRACING_LOCK`` lets one thread trace at a time."""
+    """``tracer.trace(wrapper)`` under no_grad and the patches of :mod:`.support` (seen by this
+    thread only), leaving RNG state and ``model``'s buffers (BatchNorm statistics) as they
+    were; ``TRACING_LOCK`` lets one thread trace at a time."""
     devices = sorted({t.device.index for t in tensors if t.device.type == "cuda"})
     grad_mode = torch.is_grad_enabled()
     with TRACING_LOCK:
@@ -242,7 +235,8 @@ def trace_restoring_state(
                 factories_take_proxies(tracer),
                 refuse_python_random(tracer),
                 checkpoint_as_plain_call(tracer, model),
-                research_code_patches(tracer, model),
+                dynamo_wrappers_call_through(),
+                traced_values_are_tensors(tracer, model),
             ):
                 return tracer.trace(wrapper)
         finally:

@@ -2,9 +2,9 @@
 
 :class:`ValueTracer` runs each recorded operation on real values beside the symbolic one, so
 Python that reads shapes (``if x.shape[1] == ...``, ``int(N ** 0.5)``) resolves exactly as it
-does eagerly. Only shape-derived values may be resolved: Python that reads tensor *data*
-(``bool(t)``, ``.item()``, ``torch.equal``) raises :class:`DataDependentError` inside a
-submodule, and is read with a runtime guard in the model's own forward.
+does eagerly. Python that reads tensor *data* (``bool(t)``, ``.item()``, ``torch.equal``)
+raises :class:`DataDependentError` inside a submodule, and is read with a runtime guard in the
+model's own forward.
 """
 
 from __future__ import annotations
@@ -140,8 +140,8 @@ class ValueAttribute(ValueProxy, Attribute):
 def _meta_of(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return TensorMeta(tuple(value.shape), value.dtype, value.device)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_meta_of(v) for v in value) if type(value) in (tuple, list) else None
+    if type(value) in (tuple, list):
+        return type(value)(_meta_of(v) for v in value)
     return value if isinstance(value, _PLAIN) else None
 
 
@@ -199,9 +199,9 @@ class ValueTracer(fx.Tracer):
         return value
 
     def structure(self, proxy: fx.Proxy, what: str) -> Any:
-        """Return a value whose length/iteration is needed; tensors iterate over dim 0 shape.
-        A tuple/list a call on tensors returned (einops ``pack``) is unpacked by its length,
-        checked on every call (:func:`check_traced_length`); its items stay graph values."""
+        """Return a value whose length/iteration is needed. A tuple/list a call on tensors
+        returned (einops ``pack``) is unpacked by its length, checked on every call
+        (:func:`check_traced_length`); its items stay graph values."""
         value = self.value_of(proxy)
         if proxy.node in self.tainted:
             if type(value) in (tuple, list) and what in ("iteration", "len()"):
@@ -264,12 +264,8 @@ class ValueTracer(fx.Tracer):
             node.meta[EXAMPLE_KEY] = values
 
     def create_arg(self, a: Any) -> Any:
-        """Give ``get_attr`` nodes that fx makes for tensor attributes their value and meta.
-
-        An object fx has no argument type for (a cache the forward hands its blocks) becomes
-        a constant of this trace, like the non-tensor inputs it came from (see
-        :func:`store_object_constant`).
-        """
+        """Give ``get_attr`` nodes that fx makes for tensor attributes their value and meta; an
+        object fx has no argument type for becomes a constant (:func:`store_object_constant`)."""
         try:
             arg = super().create_arg(a)
         except NotImplementedError:
@@ -331,9 +327,8 @@ class ValueTracer(fx.Tracer):
             self.module_stack.pop()
 
     def _trace_inside_hooks(self, m: nn.Module, args: tuple, kwargs: dict) -> Any:
-        """Trace ``m.forward`` from inside a real call of ``m``: its hooks run on the values
-        (FSDP2 gathers the parameters the forward reads), the forward is traced on the
-        proxies. For a graph that is only read (:mod:`tread_fx.passes.plan.uses`), never run."""
+        """Trace ``m.forward`` on the proxies from inside a real call of ``m``, whose hooks run on
+        the values (FSDP2 gathers the parameters): for a graph that is only read, never run."""
         traced: list[Any] = []
         own = m.__dict__.get("forward")
         original = m.forward
@@ -346,9 +341,8 @@ class ValueTracer(fx.Tracer):
         try:
             _orig_module_call(m, *self._values(args), **self._values(kwargs))
         finally:
-            if own is None:
-                del m.forward
-            else:
+            del m.forward  # back to the class's forward, or the instance's own
+            if own is not None:
                 m.forward = own
         return traced[-1]
 
