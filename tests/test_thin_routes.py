@@ -7,6 +7,7 @@ shape), so the located stack ends after the first list: 3 of the 11 blocks.
 
 from __future__ import annotations
 
+import linecache
 import warnings
 
 import torch
@@ -69,6 +70,10 @@ def test_a_thin_default_stack_warns_with_the_count_and_a_wider_blocks():
     assert tread_fx.routed_graphs(model)[0].info.depth == 3
     text = str(warning.message)
     assert "3 of the 11 blocks" in text and "blocks='second'" in text
+    # shown at the user's call (the model's first training call), not inside tread_fx or torch
+    assert warning.filename == __file__ and "model.train()" in linecache.getline(
+        warning.filename, warning.lineno
+    )
 
 
 def test_the_suggested_blocks_routes_more_without_warning():

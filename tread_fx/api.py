@@ -201,7 +201,7 @@ class _RoutingState:
 
     def _run(self, entry: _Entry, tensors: list, noises: list) -> tuple:
         """Run the routed graph; uncompiled, code the model compiles itself runs its original
-        Python (``tread_fx/passes/trace/compat.py``), as it was traced."""
+        Python (``tread_fx/passes/trace/support.py``), as it was traced."""
         args = (entry.built.traced.wrapper, *tensors, *noises)
         try:
             if self.compile or torch.compiler.is_compiling():  # dynamo traces the originals

@@ -17,12 +17,16 @@ Example:
 from __future__ import annotations
 
 import itertools
+import os
 import re
+import sys
+import warnings
 
 __all__ = [
     "FIRST_LINE",
     "short_first_line",
     "shown",
+    "warn_at_caller",
     "TreadFxError",
     "InvalidRouteError",
     "InvalidRateError",
@@ -58,6 +62,31 @@ def shown(path: str) -> str:
         ('blocks', 'the model itself')
     """
     return path or "the model itself"
+
+
+def warn_at_caller(message: str, category: type[Warning] = UserWarning) -> None:
+    """Warn at the first frame outside tread_fx and torch: the user's line that called them.
+
+    A route is built at the model's first training call, several frames below the user's
+    code (torch's ``Module.__call__``, the routed forward, the pipeline), so no fixed
+    ``stacklevel`` would point there.
+
+    Example:
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     warn_at_caller("a note")
+        >>> caught[0].filename.endswith("errors.py")
+        False
+    """
+    skipped = [os.path.dirname(os.path.abspath(__file__)) + os.sep]
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        skipped.append(os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
+    frame, level = sys._getframe(1), 2  # stacklevel 2: warn_at_caller's caller
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(tuple(skipped)):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
 
 
 def short_first_line(message: str, limit: int = FIRST_LINE) -> str:

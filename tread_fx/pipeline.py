@@ -34,6 +34,7 @@ from tread_fx.errors import (
     StreamChoiceWarning,
     ThinRouteWarning,
     TokenStreamError,
+    warn_at_caller,
 )
 from tread_fx.passes.locate.choice import choose_stream, thin_stack
 from tread_fx.passes.locate.dims import GRID_ROWS, is_token_major
@@ -270,44 +271,41 @@ def build(model: nn.Module, args: tuple, kwargs: dict, config: RoutingConfig) ->
         tensor per route and returns the model's flat outputs followed by the kept ids, and
         the seconds each stage took.
     """
-    focus: dict = {"model": model}
     with stage_clock() as seconds:
-        list_paths = config.block_lists or resolve_block_lists(model, config.blocks)
-        with stage("tracing", lambda: focus):
-            traced = trace_call(model, args, kwargs, block_leaf_paths(model, list_paths))
-        with stage("locating", lambda: focus):
-            explicit = config.blocks is not None
-            info = choose_stream(
-                traced, model, list_paths, explicit, config.keep_prefix, config.stream
-            )
-            thin = (
-                None
-                if explicit
-                else thin_stack(traced, model, info, list_paths, config.keep_prefix)
-            )
-        if info.choice is not None and info.choice.guessed:
-            warnings.warn(info.choice.message(), StreamChoiceWarning, stacklevel=4)
-        if thin is not None:
-            warnings.warn(thin, ThinRouteWarning, stacklevel=4)
-        routes = config.routes_for(info.depth)
-        with stage("planning", lambda: focus):  # the selection for all routes
-            splits = _split_routes(traced, info, routes, args, kwargs)
-            if is_token_major(info.stream_meta.shape):  # whole dim-1 slices: rows of a grid
-                grid, strategy = None, GRID_ROWS
-            else:
-                grid = _grid_for(model, config, info)
-                strategy = _resolve_auto(traced, info, routes, config, grid, splits, focus)
-        done = [
-            _plan_and_rewrite(
-                traced, info, config, i, route, splits.get(i), (strategy, grid), focus
-            )
-            for i, route in enumerate(routes)
-        ]
-        focus.pop("route", None)
-        with stage("rewriting", lambda: focus):
-            for plan, kept, found in done:
-                _inline(traced, plan, kept, found)
-            drop_examples(traced.gm)
-            num_outputs = append_route_outputs(traced.gm, [kept for _, kept, _ in done])
-    plans = [plan for plan, _, _ in done]
-    return Built(traced, info, routes, plans, num_outputs, strategy.name, dict(seconds))
+        built = _build(model, args, kwargs, config)
+    built.stage_seconds = dict(seconds)
+    return built
+
+
+def _build(model: nn.Module, args: tuple, kwargs: dict, config: RoutingConfig) -> Built:
+    focus: dict = {"model": model}
+    list_paths = config.block_lists or resolve_block_lists(model, config.blocks)
+    with stage("tracing", lambda: focus):
+        traced = trace_call(model, args, kwargs, block_leaf_paths(model, list_paths))
+    with stage("locating", lambda: focus):
+        explicit = config.blocks is not None
+        info = choose_stream(traced, model, list_paths, explicit, config.keep_prefix, config.stream)
+        thin = None if explicit else thin_stack(traced, model, info, list_paths, config.keep_prefix)
+    if info.choice is not None and info.choice.guessed:
+        warn_at_caller(info.choice.message(), StreamChoiceWarning)
+    if thin is not None:
+        warn_at_caller(thin, ThinRouteWarning)
+    routes = config.routes_for(info.depth)
+    with stage("planning", lambda: focus):  # the selection for all routes
+        splits = _split_routes(traced, info, routes, args, kwargs)
+        if is_token_major(info.stream_meta.shape):  # whole dim-1 slices: rows of a grid
+            grid, strategy = None, GRID_ROWS
+        else:
+            grid = _grid_for(model, config, info)
+            strategy = _resolve_auto(traced, info, routes, config, grid, splits, focus)
+    done = [
+        _plan_and_rewrite(traced, info, config, i, route, splits.get(i), (strategy, grid), focus)
+        for i, route in enumerate(routes)
+    ]
+    focus.pop("route", None)
+    with stage("rewriting", lambda: focus):
+        for plan, kept, found in done:
+            _inline(traced, plan, kept, found)
+        drop_examples(traced.gm)
+        num_outputs = append_route_outputs(traced.gm, [kept for _, kept, _ in done])
+    return Built(traced, info, routes, [plan for plan, _, _ in done], num_outputs, strategy.name)

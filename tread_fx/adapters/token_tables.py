@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import itertools
 import operator
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +38,7 @@ import torch
 import torch.fx as fx
 
 from tread_fx.adapters.values import SideValue, TensorMeta
+from tread_fx.errors import warn_at_caller
 from tread_fx.runtime.ops import gather_tokens, token_index
 from tread_fx.runtime.selection import with_prefix, with_suffix
 
@@ -210,12 +210,11 @@ def _tie(parts: Any, candidates: list[int], n: int, primary: Any) -> list[int]:
     mine = [i for i in nodes if primary in _ancestors(parts[i])]
     if len(mine) == 1:
         return mine
-    warnings.warn(
+    warn_at_caller(
         f"a table joins {len(candidates)} parts of {n} rows (as many as the routed tokens), "
         f"none of them computed from the main input alone; the last of them (part "
         f"{candidates[-1]}) is taken for the token rows. If the token rows are another "
-        "part, register a tread_fx.adapters.Adapter for the table.",
-        stacklevel=2,
+        "part, register a tread_fx.adapters.Adapter for the table."
     )
     return candidates[-1:]
 

@@ -33,7 +33,6 @@ Example:
 from __future__ import annotations
 
 import operator
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -42,7 +41,7 @@ import torch
 import torch.fx as fx
 
 from tread_fx.adapters.values import NO_BATCH_DIM, SideValue, StreamLayout, TensorMeta
-from tread_fx.errors import SideInputError
+from tread_fx.errors import SideInputError, warn_at_caller
 from tread_fx.passes.locate.dataflow import (
     argument_items,
     argument_name,
@@ -332,7 +331,7 @@ def count_arguments(
             if matches and matches[0][1] != number:
                 found.append((block.node, slot, matches[0][1]))
                 if not traced:
-                    warnings.warn(_guessed(block, name(block, slot), number), stacklevel=2)
+                    warn_at_caller(_guessed(block, name(block, slot), number))
     return found
 
 

@@ -14,7 +14,6 @@ Example:
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -23,7 +22,13 @@ import torch.fx as fx
 
 from tread_fx.adapters import SideValue, StreamLayout, adapters
 from tread_fx.adapters.values import NO_BATCH_DIM
-from tread_fx.errors import InvalidRateError, SelectionError, SideInputError, TokenStreamError
+from tread_fx.errors import (
+    InvalidRateError,
+    SelectionError,
+    SideInputError,
+    TokenStreamError,
+    warn_at_caller,
+)
 from tread_fx.passes.locate.dataflow import argument_name, input_slots, output_slots
 from tread_fx.passes.locate.dims import check_packed_strategy, segment_boundaries
 from tread_fx.passes.locate.layout import (
@@ -168,7 +173,7 @@ def _classify_entering(side: SideValue, users, carried_slot, family, strict: boo
             reason = f"adapter '{adapter.name}'"
             if adapter.builtin and adapter.by_shape_only:
                 reason += " (by its shape: its use is not seen)"
-                warnings.warn(shape_warning(side, adapter.name), stacklevel=2)
+                warn_at_caller(shape_warning(side, adapter.name))
             shares, segments = adapter.shares_selection, adapter.segments
             return Crossing(node, adapter.action, reason, users, None, options, shares, segments)
     notes = [f"{a.name}: {n}" for a in adapters() if a.diagnose and (n := a.diagnose(side))]
@@ -185,7 +190,7 @@ def _classify_entering(side: SideValue, users, carried_slot, family, strict: boo
             message += " Rules meant for it declined: " + "; ".join(notes) + "."
         if strict:
             raise SideInputError(message)
-        warnings.warn(message, stacklevel=2)
+        warn_at_caller(message)
         action = "gather" if side.token_aligned else "pass"
         return Crossing(node, action, "non-strict guess", users)
     return Crossing(node, "pass", "not token-aligned", users)

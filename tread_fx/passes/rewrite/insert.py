@@ -141,7 +141,7 @@ def _scatter(
 def _selection_anchor(graph: fx.Graph, plan: RoutePlan) -> fx.Node:
     """Where the selection goes: before the route's first block call, or before the code of
     its member that runs before that call on the gathered stream (a long skip concatenated
-    and projected: ``tread_fx/passes/locate/member_entry.py``)."""
+    and projected: ``tread_fx/passes/locate/layout.py`` ``member_prologue``)."""
     users = [u for c in plan.entering if c.node is plan.stream_start for u in c.users]
     return _first(graph, {plan.start_block.node, *users})
 
