@@ -353,9 +353,10 @@ def block_nodes(gm: fx.GraphModule, paths: Sequence[str]) -> dict[fx.Node, str]:
             target = node.target
         elif (index := module_arg_index(node)) is not None:
             target = node.args[index].target
-        path = target.removeprefix(MODEL_PREFIX) if isinstance(target, str) else None
-        if path in wanted and path != target:
-            found[node] = path
+        if isinstance(target, str) and target.startswith(MODEL_PREFIX):
+            path = target.removeprefix(MODEL_PREFIX)
+            if path in wanted:
+                found[node] = path
     return found
 
 

@@ -271,10 +271,17 @@ def diff_graphs(
         before = [matches.get(a, a) for a in g_orig.nodes[name]["inputs"]]
         after = list(g_routed.nodes[new]["inputs"])
         resized = g_orig.nodes[name]["shape"] != g_routed.nodes[new]["shape"]
-        status = "rewired" if before != after else "resized" if resized else "unchanged"
-        getattr(diff, status).append(Rewire(new, before, after) if status == "rewired" else new)
-        diff.status[new] = status
-    for g, names in ((g_routed, {}), (g_orig, matches)):  # an original node: its match's
-        for name in g:
-            g.nodes[name]["status"] = diff.status.get(names.get(name, name), "unchanged")
+        if before != after:
+            diff.rewired.append(Rewire(new, before, after))
+            diff.status[new] = "rewired"
+        elif resized:
+            diff.resized.append(new)
+            diff.status[new] = "resized"
+        else:
+            diff.unchanged.append(new)
+            diff.status[new] = "unchanged"
+    for name in g_routed:
+        g_routed.nodes[name]["status"] = diff.status.get(name, "unchanged")
+    for name in g_orig:  # an original node shows its match's status
+        g_orig.nodes[name]["status"] = diff.status.get(matches.get(name, name), "unchanged")
     return diff

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from tread_fx.errors import TokenStreamError
+
 __all__ = [
     "gather_tokens",
     "scatter_tokens",
@@ -35,7 +37,13 @@ def token_index(
 ) -> torch.Tensor:
     """Lay ``idx`` [B, k] out along the batch and token dims of ``like`` (the batch dim is
     the other of dims 0 and 1 unless given) and expand the rest: a ``gather`` index."""
-    batch_dim = 1 - token_dim if batch_dim is None else batch_dim
+    if batch_dim is None:
+        if token_dim not in (0, 1):
+            raise TokenStreamError(
+                f"token_dim={token_dim} was given without batch_dim; the batch dim is only "
+                "implied for token_dim 0 or 1. Pass batch_dim as well."
+            )
+        batch_dim = 1 - token_dim
     view = [1] * like.dim()
     view[batch_dim], view[token_dim] = idx.shape
     shape = list(like.shape)
