@@ -65,11 +65,8 @@ def shown(path: str) -> str:
 
 
 def warn_at_caller(message: str, category: type[Warning] = UserWarning) -> None:
-    """Warn at the first frame outside tread_fx and torch: the user's line that called them.
-
-    A route is built at the model's first training call, several frames below the user's
-    code (torch's ``Module.__call__``, the routed forward, the pipeline), so no fixed
-    ``stacklevel`` would point there.
+    """Warn at the first frame outside tread_fx and torch: the user's line that called them
+    (a route is built at the model's first training call, frames below the user's code).
 
     Example:
         >>> import warnings

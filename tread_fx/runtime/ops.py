@@ -40,8 +40,7 @@ def token_index(
     if batch_dim is None:
         if token_dim not in (0, 1):
             raise TokenStreamError(
-                f"token_dim={token_dim} was given without batch_dim; the batch dim is only "
-                "implied for token_dim 0 or 1. Pass batch_dim as well."
+                f"token_dim={token_dim} was given without batch_dim: pass it (0 and 1 imply it)"
             )
         batch_dim = 1 - token_dim
     view = [1] * like.dim()

@@ -47,6 +47,7 @@ from tread_fx.passes.locate.dataflow import (
     argument_name,
     data_ancestors,
     input_slots,
+    tensor_shape,
 )
 from tread_fx.passes.locate.layout import int_arguments, stream_tokens
 from tread_fx.passes.locate.stream import BlockCall, StreamInfo
@@ -56,7 +57,6 @@ from tread_fx.passes.plan.uses import (
     Use,
     _forward,
     _name,
-    _shape,
     _sides,
     _tensor_use,
     call_uses,
@@ -251,7 +251,7 @@ def batch_broadcast(
     """The stream's batch dim, if ``node`` has size 1 there, the stream's rank, and every
     use of it is an elementwise op (inside the region) with a stream value of the full batch;
     else ``None``."""
-    shape = _shape(node)
+    shape = tensor_shape(node)
     rank = len(stream_start.meta["tread_meta"].shape)
     dim = layout.batch_dim
     if shape is None or len(shape) != rank or dim >= rank or shape[dim] != 1:

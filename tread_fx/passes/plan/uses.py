@@ -46,8 +46,8 @@ from typing import Any
 import torch.fx as fx
 from torch import nn
 
-from tread_fx.adapters.values import SideValue, TensorMeta
-from tread_fx.passes.locate.dataflow import argument_items
+from tread_fx.adapters.values import SideValue
+from tread_fx.passes.locate.dataflow import argument_items, tensor_shape
 from tread_fx.passes.trace.block import example_of, is_tensorish, trace_through
 
 __all__ = [
@@ -98,11 +98,6 @@ def _name(node: fx.Node) -> str:
     if node.op == "call_module":
         return "module"
     return target if isinstance(target, str) else getattr(target, "__name__", str(target))
-
-
-def _shape(value: Any) -> tuple[int, ...] | None:
-    meta = value.meta.get("tread_meta") if isinstance(value, fx.Node) else None
-    return meta.shape if isinstance(meta, TensorMeta) else None
 
 
 def _op_name(node: fx.Node) -> str:
@@ -196,11 +191,13 @@ def _tensor_use(node: fx.Node, reach: set[fx.Node], stream: set[fx.Node], ctx) -
     if name in _ELEMENTWISE and mine and theirs:
         if any(_is_scores(t, stream) for t in theirs):
             return Use.MASK
-        if any(_aligned(_shape(a), _shape(t), tokens) for a in mine for t in theirs):
+        if any(_aligned(tensor_shape(a), tensor_shape(t), tokens) for a in mine for t in theirs):
             return Use.TABLE
     if name in _CAT and mine and theirs:  # joined along the tokens: other tokens (text)
         dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
-        if any(_aligned(_shape(a), _shape(t), tokens, dim) for a in mine for t in theirs):
+        if any(
+            _aligned(tensor_shape(a), tensor_shape(t), tokens, dim) for a in mine for t in theirs
+        ):
             return Use.TABLE
         return Use.CONTEXT
     if mine and theirs and name not in _ELEMENTWISE:
@@ -233,8 +230,10 @@ def _joined_lengths(graph: fx.Graph, stream: set[fx.Node], tokens: set[int]) -> 
     for node in graph.nodes:
         if node in stream and _name(node) in ("cat", "concat", "concatenate") and node.args:
             dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
-            sizes = [_shape(a) for a in node.args[0] if isinstance(a, fx.Node) and a in stream]
-            out = _shape(node)
+            sizes = [
+                tensor_shape(a) for a in node.args[0] if isinstance(a, fx.Node) and a in stream
+            ]
+            out = tensor_shape(node)
             if out and isinstance(dim, int) and any(z and z[dim] in tokens for z in sizes):
                 tokens.add(out[dim])
     return tokens
@@ -281,7 +280,7 @@ def _class_uses(gm, node: fx.Node, stream_at, example: Any, leaves, tokens, toke
     if not stream_at or len(placeholders) != len(leaves):
         return None
     for i in stream_at:  # the call's own stream length counts too
-        own = _shape(placeholders[i])
+        own = tensor_shape(placeholders[i])
         tokens = tokens | ({own[token_dim]} if own and token_dim < len(own) else set())
     stream, ctx = _stream_context(traced.gm, stream_at, tokens)
     tokens = ctx[0]
@@ -423,7 +422,7 @@ def _tags(value: Any) -> set[tuple]:
 def count_slots(node: fx.Node, tokens: set[int]) -> set[tuple]:
     """Slots of tagged ints that size, slice or split a token dim at ``node`` (a node of a
     block traced through on :func:`tagged_example` inputs)."""
-    name, shape = _name(node), _shape(node.args[0]) if node.args else None
+    name, shape = _name(node), tensor_shape(node.args[0]) if node.args else None
     if shape is None:
         return set()
     if name in _RESHAPE:
@@ -452,7 +451,7 @@ def _reshaped(node: fx.Node, shape: tuple[int, ...], tokens: set[int]) -> set[tu
         return _tags(node.args[2:])
     if len(sizes) == 1 and isinstance(sizes[0], (tuple, list)):
         sizes = sizes[0]
-    out = _shape(node)
+    out = tensor_shape(node)
     if out is None or len(out) != len(sizes):
         return set()
     bounds = [math.prod(shape[:d]) for d in range(len(shape) + 1)]
