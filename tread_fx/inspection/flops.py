@@ -425,9 +425,11 @@ def profile_graph(
 
 def _fake_or_real(run: Callable[[list, str], Any], inputs: Sequence[torch.Tensor]) -> Any:
     """``run(values, "fake")`` on fake copies of ``inputs``; what fake tensors cannot run
-    (data-dependent code such as ``nonzero``, ops without a fake kernel) on real copies."""
+    (data-dependent code such as ``nonzero``, ops without a fake kernel) on real copies.
+    Code the model compiles itself runs as its original Python (nothing compiled on fakes)."""
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        with dynamo_wrappers_run_original(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
             return run([mode.from_tensor(t) for t in inputs], "fake")
     except Exception:  # noqa: BLE001 - what fake tensors cannot run runs on real values
-        return run([t.detach().clone() for t in inputs], "real")
+        with dynamo_wrappers_run_original():
+            return run([t.detach().clone() for t in inputs], "real")

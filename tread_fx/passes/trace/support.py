@@ -3,8 +3,8 @@
 raise (:class:`DataDependentError`, at :func:`user_frame`), and the messages of a refused trace.
 
 Every patch goes through :func:`tread_fx.passes.trace.thread_patch.thread_local_patch`, so only the
-tracing thread sees it (a new tracing patch must use it too). Code decorated with
-``@torch.compile`` runs its original Python; ``torch.is_tensor``, ``isinstance`` and
+tracing thread sees it (a new tracing patch must use it too). Code compiled with
+``torch.compile`` (by any path) runs its original Python; ``torch.is_tensor``, ``isinstance`` and
 ``callable`` in the model's own code answer by the value a traced value stands for.
 
 Example:
@@ -57,6 +57,7 @@ __all__ = [
     "untraceable_error",
     "store_object_constant",
     "dynamo_wrappers_call_through",
+    "is_compiled_module_wrapper",
     "dynamo_wrappers_run_original",
     "traced_values_are_tensors",
 ]
@@ -310,13 +311,38 @@ def store_object_constant(root: nn.Module, obj: Any) -> str | None:
 
 
 def dynamo_wrappers_call_through() -> AbstractContextManager:
-    """Let functions and modules optimized by ``torch.compile`` run their original code while
-    fx traces (dynamo's ``error_on_nested_fx_trace`` off); without ``torch._dynamo`` imported
-    nothing can be optimized."""
-    dynamo = sys.modules.get("torch._dynamo")
-    if dynamo is None:
-        return contextlib.nullcontext()
-    return dynamo.config.patch(error_on_nested_fx_trace=False)
+    """Let code optimized by ``torch.compile`` run as its original Python while fx traces, by
+    whatever path the model reaches it: a decorator, a wrapper object compiling on its first
+    call, ``torch.compile`` inside ``forward``, a submodule compiled in place.
+
+    Dynamo's own switch, ``torch._dynamo.config.error_on_nested_fx_trace``, is turned off for
+    the tracing thread only (dynamo's config patches are per thread). Dynamo is imported here
+    (once per process) even if the model has compiled nothing yet: a first ``torch.compile``
+    inside the trace would import it too late for the switch. ``torch.compiler.set_stance(
+    "force_eager")`` cannot replace it: dynamo checks for an fx trace before it reads the stance
+    (and raises whatever the stance), and the stance holds for every thread of the process.
+
+    Example:
+        >>> import torch
+        >>> with dynamo_wrappers_call_through():
+        ...     torch._dynamo.config.error_on_nested_fx_trace
+        False
+    """
+    import torch._dynamo
+
+    return torch._dynamo.config.patch(error_on_nested_fx_trace=False)
+
+
+def is_compiled_module_wrapper(module: nn.Module) -> bool:
+    """Whether ``module`` is ``torch.compile``'s wrapper of another module (``OptimizedModule``):
+    while tracing, its call runs the module it wraps, which the trace records.
+
+    Example:
+        >>> is_compiled_module_wrapper(nn.Linear(2, 2))
+        False
+    """
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)
 
 
 @contextlib.contextmanager

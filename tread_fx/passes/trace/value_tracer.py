@@ -4,7 +4,9 @@
 Python that reads shapes (``if x.shape[1] == ...``, ``int(N ** 0.5)``) resolves exactly as it
 does eagerly. Python that reads tensor *data* (``bool(t)``, ``.item()``, ``torch.equal``)
 raises :class:`DataDependentError` inside a submodule, and is read with a runtime guard in the
-model's own forward.
+model's own forward. Torch functions, methods and attributes that return a Python value read
+from metadata (``torch.is_floating_point(t)``, ``x.is_contiguous()``) are answered from the
+real value, as :mod:`.torch_api` sorts them.
 """
 
 from __future__ import annotations
@@ -26,8 +28,17 @@ from tread_fx.passes.trace.mutation import functional_setitem, is_inplace_method
 from tread_fx.passes.trace.support import (
     DataDependentError,
     has_call_hooks,
+    is_compiled_module_wrapper,
     store_object_constant,
     user_frame,
+)
+from tread_fx.passes.trace.torch_api import (
+    answered_kinds,
+    check_traced_metadata,
+    is_tensor_result,
+    kind_of_attribute,
+    kind_of_function,
+    kind_of_method,
 )
 from tread_fx.registry import leaf_functions, leaf_modules
 from tread_fx.runtime.guards import check_traced_length, check_traced_value
@@ -44,17 +55,6 @@ __all__ = [
 EXAMPLE_KEY = "tread_example_inputs"  # a leaf call's kept real inputs, in ``node.meta``
 _PLAIN = (int, float, bool, str, type(None))
 
-_METADATA_ATTRS = frozenset(
-    {"shape", "dtype", "device", "ndim", "is_cuda", "requires_grad", "layout", "is_sparse"}
-)
-_METADATA_METHODS = frozenset(
-    {"size", "dim", "numel", "ndimension", "nelement", "is_floating_point", "is_complex",
-     "element_size", "is_contiguous", "get_device", "stride"}
-)  # fmt: skip
-# read as Python values: dtype and device are part of the signature guard (torch.finfo(x.dtype))
-_CONCRETE_ATTRS = frozenset(
-    {"dtype", "device", "layout", "is_cuda", "is_sparse", "is_quantized", "is_nested"}
-)
 _GUARD_KINDS = {"bool()": "bool", "int()": "int", "an index": "int", "float()": "float"}
 _DATA_METHODS = frozenset({"item", "tolist", "numpy", "__bool__", "__int__", "__float__"})
 
@@ -103,6 +103,9 @@ class ValueProxy(fx.Proxy):
     def keys(self) -> Any:
         return self.tracer.structure(self, "keys()").keys()
 
+    def __dir__(self) -> list[str]:
+        return dir(self.tracer.value_of(self))  # ``x.__dir__()``: the names the value has
+
     def __format__(self, spec: str) -> str:
         value = self.tracer.value_of(self)
         if isinstance(value, (int, float, str)) and self.node not in self.tracer.tainted:
@@ -111,8 +114,11 @@ class ValueProxy(fx.Proxy):
 
     def __getattr__(self, name: str) -> Any:
         value = self.tracer.value_of(self)
-        if name in _CONCRETE_ATTRS and isinstance(value, torch.Tensor):
-            return getattr(value, name)  # part of the signature guard
+        if (
+            isinstance(value, torch.Tensor)
+            and self.tracer.api_kind("attribute", name) == "metadata"
+        ):
+            return getattr(value, name)  # dtype, device: part of the signature guard
         if name == "shape" and isinstance(value, torch.Tensor):
             # a real tuple (``isinstance(x.shape, tuple)`` holds) of traced sizes
             return tuple(self.size(i) for i in range(value.dim()))
@@ -160,6 +166,7 @@ class ValueTracer(fx.Tracer):
         self.example = example
         self.values: dict[fx.Node, Any] = {}
         self.tainted: set[fx.Node] = set()
+        self.autograd_reads: set[fx.Node] = set()  # ``x.requires_grad``: not what training sees
         self.module_stack: list[str] = []
         self.running_eager = 0
         self.checkpointed: set[int] = set()
@@ -187,7 +194,10 @@ class ValueTracer(fx.Tracer):
         if isinstance(value, torch.Tensor) and not self.module_stack and not self.running_eager:
             return self.guarded(proxy, value, _GUARD_KINDS.get(what, "item"), what)
         if isinstance(value, torch.Tensor) or proxy.node in self.tainted:
-            raise DataDependentError.at(f"{what} of a value computed from tensor data", self)
+            source = "tensor data"
+            if proxy.node in self.autograd_reads:
+                source = "autograd state (the trace runs without gradients on detached copies)"
+            raise DataDependentError.at(f"{what} of a value computed from {source}", self)
         return value
 
     def guarded(self, proxy: fx.Proxy, tensor: torch.Tensor, kind: str, what: str) -> Any:
@@ -231,6 +241,30 @@ class ValueTracer(fx.Tracer):
             self.running_eager -= 1
         raise AssertionError(f"unexpected node kind {kind}")
 
+    def api_kind(self, access: str, target: Any) -> str:
+        """What torch's API ``target`` returns for a real tensor (:mod:`.torch_api`); probed
+        on real tensors once, as eager code (the trace's patches pass it through)."""
+        lookup = {"attribute": kind_of_attribute, "method": kind_of_method}
+        self.running_eager += 1
+        try:
+            return lookup.get(access, kind_of_function)(target)
+        finally:
+            self.running_eager -= 1
+
+    def _metadata_answer(self, kind: str, target: Any, args: tuple, value: Any) -> Any:
+        """The real answer of a metadata read of a traced tensor (:mod:`.torch_api`), or
+        ``None`` when the call is recorded as it is."""
+        if kind not in ("call_function", "call_method") or target is getattr:
+            return None
+        if is_tensor_result(value) or not self._reads_tensor(args):
+            return None
+        api = self.api_kind("method" if kind == "call_method" else "function", target)
+        return (api, value) if api in ("metadata", "guarded") else None
+
+    def _reads_tensor(self, args: tuple) -> bool:
+        proxies = [a for a in pytree.tree_leaves(args) if isinstance(a, fx.Proxy)]
+        return any(isinstance(self.value_of(p), torch.Tensor) for p in proxies)
+
     def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, **extra):
         if kind == "call_method" and target in _DATA_METHODS:
             raise DataDependentError.at(f"Tensor.{target}()", self)
@@ -238,6 +272,9 @@ class ValueTracer(fx.Tracer):
             value = self.example[target]
         else:
             value = self._run(kind, target, args, kwargs)
+        answer = self._metadata_answer(kind, target, args, value)
+        if answer is not None and answer[0] == "metadata":
+            return value  # dtype, device, layout only: the call key holds them
         proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, **extra)
         node = proxy.node
         if is_inplace_method(node):
@@ -252,6 +289,10 @@ class ValueTracer(fx.Tracer):
             record_leaf_concatenation(node, value, self.values)  # pack([x, registers])
         if self._is_tainted(kind, target, node, value):
             self.tainted.add(node)
+        if answer is not None:  # strides, inference, conj: checked on every call
+            check = (proxy, value, user_frame())
+            self.create_proxy("call_function", check_traced_metadata, check, {})
+            return value
         return proxy
 
     def _keep_example_inputs(self, node: fx.Node, target: str, args, kwargs) -> None:
@@ -290,11 +331,21 @@ class ValueTracer(fx.Tracer):
             return True
         if not any(isinstance(self.values.get(n), torch.Tensor) for n in inputs):
             return False
+        if target in (len, operator.getitem):
+            return False
         if kind == "call_method":
-            return target not in _METADATA_METHODS
-        if target is getattr:
-            return node.args[1] not in _METADATA_ATTRS
-        return target not in (len, torch.numel, operator.getitem)
+            api = self.api_kind("method", target)
+        elif target is getattr:
+            api = self.api_kind("attribute", node.args[1])
+        else:
+            api = self.api_kind("function", target)
+        if api == "untraced":  # autograd state: exact only on the live parameters and buffers
+            tensors = [n for n in inputs if isinstance(self.values.get(n), torch.Tensor)]
+            if all(n.op == "get_attr" for n in tensors):
+                return False
+            self.autograd_reads.add(node)
+            return True
+        return api not in answered_kinds()
 
     # -- modules ----------------------------------------------------------------------------
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
@@ -309,7 +360,12 @@ class ValueTracer(fx.Tracer):
     def call_module(self, m: nn.Module, forward, args: tuple, kwargs: dict) -> Any:
         if self.running_eager:
             return forward(*args, **kwargs)
-        path = self.path_of_module(m)
+        try:
+            path = self.path_of_module(m)
+        except NameError:  # ``torch.compile(submodule)`` in forward: calls the installed one
+            if not is_compiled_module_wrapper(m):
+                raise
+            return forward(*args, **kwargs)
         if self.is_leaf_module(m, path):
             return self.create_proxy("call_module", path, args, kwargs)
         self.module_stack.append(path)
