@@ -6,8 +6,9 @@ computes without its inputs whose size equals the token count only by coincidenc
 rotation of the features, ``[D, D]`` with ``D == N``) is no token table and is left whole;
 a table that meets another sequence of the same length (the context) is left whole; a
 learned table used per token is cut; a bias given to ``baddbmm`` is a mask; a table blended
-with the attention probabilities is cut on both token dims; and a table that meets the tokens
-only in an op no rule reads is refused, naming the op.
+with the attention probabilities is cut on both token dims; a table met in any elementwise op
+(by torch's op tags: ``maximum``) is cut; and a table that meets the tokens only in an op no
+rule reads (``cdist``) is refused, naming the op.
 """
 
 from __future__ import annotations
@@ -136,11 +137,22 @@ class GatedPositionBlock(_Block):
 
 
 class FloorBlock(_Block):
-    """Meets its tokens with a table of its own in ``torch.maximum`` (no rule reads it)."""
+    """Meets its tokens with a table of its own in ``torch.maximum``: elementwise by torch's
+    op tags (issue 44), so a per-token table, cut to the kept rows."""
 
     def forward(self, x, keep=None):
-        floor = torch.arange(x.shape[1], dtype=x.dtype)[:, None].expand(-1, D) * 0.01
+        positions = torch.arange(x.shape[1], dtype=x.dtype) if keep is None else keep.to(x)
+        floor = positions[:, None].expand(-1, D) * 0.01
         return self.finish(x, _attend(*self.heads(torch.maximum(x, floor))))
+
+
+class DistanceBlock(_Block):
+    """Meets its tokens with a table of its own in ``torch.cdist`` (no rule reads it)."""
+
+    def forward(self, x, keep=None):
+        table = torch.arange(x.shape[1], dtype=x.dtype)[:, None].expand(-1, D) * 0.01
+        near = torch.cdist(x, table.expand(x.shape[0], -1, -1)).neg().softmax(-1)
+        return self.finish(x, _attend(*self.heads(x + near @ x)))
 
 
 class ContextBackbone(Backbone):
@@ -204,9 +216,13 @@ def test_a_table_blended_with_the_attention_probabilities_is_cut_on_both_token_d
     routed_equals_by_hand(_case("gated", GatedPositionBlock))
 
 
+def test_a_table_met_in_any_elementwise_op_is_cut():
+    routed_equals_by_hand(_case("floor", FloorBlock))
+
+
 def test_a_table_no_rule_reads_is_refused_naming_the_op():
-    case = _case("floor", FloorBlock)
+    case = _case("distance", DistanceBlock)
     model = case.route(case.model())
-    with pytest.raises(tread_fx.errors.SideInputError, match="maximum") as err:
+    with pytest.raises(tread_fx.errors.SideInputError, match="cdist") as err:
         train_forward(model, case)
     assert "blocks=" in str(err.value)

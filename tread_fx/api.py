@@ -67,7 +67,8 @@ class RouteInfo:
         kept: Kept token ids [B, k], ascending (prefix and suffix tokens included).
         num_tokens: Token count N of the stream at the route start.
         prefix: Leading tokens never routed (cls/registers).
-        grid: Patch grid (H, W), or (F, H, W) for video, of the routable tokens, when known.
+        grid: Patch grid (H, W), or (F, H, W) for video, of the routable tokens: the one the
+            route used (``grid=``, the blocks' reshapes, rows selection); else ``None``.
         selection: The selection used (``"auto"`` resolved to ``"random"`` or ``"rows"``).
         suffix: Trailing tokens never routed (a text stream concatenated behind the image).
     """

@@ -42,6 +42,7 @@ from tread_fx.passes.locate.layout import check_no_token_tables_inside, grid_in_
 from tread_fx.passes.locate.stacks import block_leaf_paths, resolve_block_lists
 from tread_fx.passes.locate.stream import StreamInfo
 from tread_fx.passes.plan.forms import cut_at_route_ends, form_changes, locate_tokens, needs_split
+from tread_fx.passes.plan.grid_uses import grid_by_use, grid_uses, inline_kept_grid, needs_inlining
 from tread_fx.passes.plan.inline_tables import InlineBlock, find_token_tables, inline_token_tables
 from tread_fx.passes.plan.route_plan import Crossing, RoutePlan, graph_to_networkx, plan_route
 from tread_fx.passes.rewrite.insert import append_route_outputs, rewrite_route
@@ -73,43 +74,75 @@ class Built:
 
 
 def find_grid(model: nn.Module, num_tokens: int) -> tuple[int, int] | None:
-    """Find the patch grid (H, W) with ``H * W == num_tokens``.
+    """Find the patch grid (H, W) with ``H * W == num_tokens`` among the model's attributes.
 
-    Looks at ``model.grid_size``, then at any submodule's ``grid_size`` (timm's PatchEmbed),
-    then at diffusers-style ``height``/``width``/``patch_size`` attributes.
+    The last resort of ``selection="rows"`` where no routed block reshapes its tokens to a
+    grid (so the graph does not show it; :mod:`tread_fx.passes.plan.grid_uses` finds it by use
+    first): ``model.grid_size``, any submodule's ``grid_size`` (timm's PatchEmbed), then
+    diffusers-style ``height``/``width``/``patch_size``. A grid found here is reported.
+
+    Example:
+        >>> import tread_fx
+        >>> find_grid(tread_fx.models.DiT_S_2(input_size=8, in_channels=1, depth=1), 16)
+        (4, 4)
     """
-    candidates = [model, *model.modules()]
-    for module in candidates:
+    found = _grid_attribute(model, num_tokens)
+    return found[0] if found is not None else None
+
+
+def _grid_attribute(model: nn.Module, num_tokens: int) -> tuple[tuple[int, int], str] | None:
+    """(grid, the attribute it was read from) for :func:`find_grid`."""
+    candidates = list(model.named_modules())
+    for path, module in candidates:
         grid = getattr(module, "grid_size", None)
         if isinstance(grid, (tuple, list)) and len(grid) == 2 and grid[0] * grid[1] == num_tokens:
-            return int(grid[0]), int(grid[1])
-    for module in candidates:
+            return (int(grid[0]), int(grid[1])), f"{path}.grid_size".lstrip(".")
+    for path, module in candidates:
         with warnings.catch_warnings():  # diffusers warns on config attributes read directly
             warnings.simplefilter("ignore", FutureWarning)
             h, w, p = (getattr(module, k, None) for k in ("height", "width", "patch_size"))
+        where = f"{path}.height/width/patch_size".lstrip(".")
         if all(isinstance(v, int) for v in (h, w, p)) and (h // p) * (w // p) == num_tokens:
-            return h // p, w // p
+            return (h // p, w // p), where
         if all(isinstance(v, int) for v in (h, w, p)) and h * w == num_tokens:
-            return h, w  # diffusers' PatchEmbed stores height/width already in patches
+            return (h, w), where  # diffusers' PatchEmbed stores height/width in patches
     return None
 
 
-def _grid_for(model: nn.Module, config: RoutingConfig, info: StreamInfo) -> tuple[int, int] | None:
+def _grid_for(model: nn.Module, config: RoutingConfig, info: StreamInfo, uses: list) -> tuple:
+    """The patch grid: ``grid=``, else the one the routed blocks reshape their tokens to
+    (``uses``), else the one they are told as numbers, else (reported) a model attribute."""
     layout, routable = info.layout, info.layout.routable
-    grid = config.grid or find_grid(model, routable) or grid_in_block_arguments(info, routable)
-    if grid is not None and math.prod(grid) != routable:
+    if config.grid is not None and math.prod(config.grid) != routable:
         suffix = f", minus {layout.suffix} suffix" if layout.suffix else ""
         raise SelectionError(
-            f"grid={grid} was given, but the token stream has {routable} routable tokens "
-            f"({layout.num_tokens} minus {layout.prefix} prefix{suffix}); H * W must equal that "
-            "(F * H * W for a video grid)."
+            f"grid={config.grid} was given, but the token stream has {routable} routable "
+            f"tokens ({layout.num_tokens} minus {layout.prefix} prefix{suffix}); H * W must "
+            "equal that (F * H * W for a video grid)."
         )
+    grid = grid_by_use(uses, config.grid) or grid_in_block_arguments(info, routable)
     if grid is None and config.strategy.needs_grid:
+        grid = _reported_attribute_grid(model, config, routable)
+    return grid
+
+
+def _reported_attribute_grid(model: nn.Module, config: RoutingConfig, routable: int) -> tuple:
+    """The grid read from a model attribute (no block shows it), with a warning saying so."""
+    found = _grid_attribute(model, routable)
+    if found is None:
         raise SelectionError(
-            f"selection={config.selection!r} needs the patch grid, but none with H * W == "
-            f"{routable} was found on {type(model).__name__} (no grid_size attribute); pass "
-            "grid=(H, W) to route()."
+            f"selection={config.selection!r} needs the patch grid, but no routed block of "
+            f"{type(model).__name__} reshapes its tokens into H x W == {routable} (nor is told "
+            "such a grid as numbers, nor has the model a grid attribute); pass grid=(H, W) to "
+            "route()."
         )
+    grid, where = found
+    warn_at_caller(
+        f"selection={config.selection!r} keeps whole rows of the patch grid {grid}, read from "
+        f"the attribute '{where}' of {type(model).__name__}: no routed block reshapes its "
+        "tokens to a grid, so the graph does not show it. Pass grid=(H, W) to route() to "
+        "choose it yourself."
+    )
     return grid
 
 
@@ -155,11 +188,15 @@ def _plan_split(traced, info, config, index: int, route: Route, changes: list, h
     return first, kept
 
 
-def _resolve_auto(traced, info: StreamInfo, routes: list[Route], config, grid, splits, focus):
+def _resolve_auto(traced, info: StreamInfo, routes: list[Route], config, grid, splits, focus, uses):
     """The strategy to use: ``selection="auto"`` becomes ``"random"``, or ``"rows"`` when a
-    routed block reshapes its tokens to the patch grid (random tokens make no grid)."""
+    routed block reshapes its tokens to the patch grid (``uses``, or told it as numbers:
+    random tokens make no grid). A selection asked for that makes no grid is refused there."""
     if config.strategy.name != "auto":
+        _refuse_gridless(config.strategy, uses)
         return config.strategy
+    if grid is not None and uses:
+        return get_strategy("rows")
     random = get_strategy("random")
     try:
         for i, route in enumerate(routes):
@@ -171,6 +208,36 @@ def _resolve_auto(traced, info: StreamInfo, routes: list[Route], config, grid, s
             raise
         return get_strategy("rows")
     return random
+
+
+def _refuse_gridless(strategy, uses: list) -> None:
+    """Refuse a selection without rows for blocks that reshape their tokens to a grid with
+    numbers they hold themselves and none read from the tokens (so no other count fits; those
+    told the grid as arguments are refused when planned)."""
+    own = [u for u in uses if "literal" in u.sources and "data" not in u.sources]
+    if own and not strategy.needs_grid:
+        raise SelectionError(
+            f"{own[0].describe()}, so it cannot run on a random subset of its tokens, but "
+            f"selection={strategy.name!r} was asked for; use selection='rows' (or the default "
+            "'auto'), which keeps whole rows and gives the blocks the kept grid."
+        )
+
+
+def _kept_grid_blocks(traced, info: StreamInfo, plan: RoutePlan, found: list) -> list:
+    """Routed blocks to inline with the kept grid in place of grid numbers they hold
+    themselves (``tread_fx/passes/plan/grid_uses.py``); refuses those told a count too (an
+    inlined block keeps the traced numbers)."""
+    route = plan.route
+    uses = grid_uses(traced.gm, info, info.blocks[route.start : route.end], decided=True)
+    grid, keep = plan.layout.grid, plan.keep_units
+    counted = {node for node, _, _ in plan.count_args}
+    for use in needs_inlining(uses, grid, keep) if grid is not None else ():
+        if use.block.node in counted:
+            raise SelectionError(
+                f"{use.describe()} and is told a token count as a number; tread_fx cannot "
+                "inline it with both changed. Pass blocks= to route other blocks."
+            )
+    return inline_kept_grid(traced.gm, uses, grid, keep, found) if grid is not None else []
 
 
 def _apply_share_selection(plan: RoutePlan, share: bool | None) -> None:
@@ -250,6 +317,8 @@ def _plan_and_rewrite(traced, info, config, index: int, route: Route, changes, h
         plan = plan_route(traced.gm, info, route, index, strategy, grid, config.strict)
         _apply_share_selection(plan, share)
         found = _share_where_needed(traced, info, plan, share)
+        if strategy.needs_grid:
+            found += _kept_grid_blocks(traced, info, plan, found)
     with stage("rewriting", lambda: focus):
         kept = rewrite_route(traced.gm, plan, strategy, config.reinsert, info.blocks[0].stream_in)
     if config.fp32_reentry and plan.end_block is not None:
@@ -277,6 +346,11 @@ def build(model: nn.Module, args: tuple, kwargs: dict, config: RoutingConfig) ->
     return built
 
 
+def _routed_blocks(info: StreamInfo, routes: list[Route]) -> list:
+    indices = sorted({i for route in routes for i in range(route.start, route.end)})
+    return [info.blocks[i] for i in indices]
+
+
 def _build(model: nn.Module, args: tuple, kwargs: dict, config: RoutingConfig) -> Built:
     focus: dict = {"model": model}
     list_paths = config.block_lists or resolve_block_lists(model, config.blocks)
@@ -296,8 +370,10 @@ def _build(model: nn.Module, args: tuple, kwargs: dict, config: RoutingConfig) -
         if is_token_major(info.stream_meta.shape):  # whole dim-1 slices: rows of a grid
             grid, strategy = None, GRID_ROWS
         else:
-            grid = _grid_for(model, config, info)
-            strategy = _resolve_auto(traced, info, routes, config, grid, splits, focus)
+            routed = _routed_blocks(info, routes)
+            uses = grid_uses(traced.gm, info, routed, decided=config.grid is not None)
+            grid = _grid_for(model, config, info, uses)
+            strategy = _resolve_auto(traced, info, routes, config, grid, splits, focus, uses)
     done = [
         _plan_and_rewrite(traced, info, config, i, route, splits.get(i), (strategy, grid), focus)
         for i, route in enumerate(routes)

@@ -27,7 +27,7 @@ from tread_fx.passes.locate.dataflow import (
     output_slots,
     tensor_shape,
 )
-from tread_fx.passes.locate.stream import BlockCall, StreamInfo
+from tread_fx.passes.locate.stream import BlockCall, StreamInfo, handed_values
 from tread_fx.passes.trace.concats import concatenation_parts
 from tread_fx.routes import Route
 
@@ -180,7 +180,7 @@ def family_slots(g: nx.DiGraph, info: StreamInfo, block: BlockCall) -> set:
     family: set = set()
     for n, path in enumerate(info.list_paths):
         members = [b for b in info.blocks if b.list_path == path]
-        slots = input_slots(members[0].node)
+        slots = handed_values(info, path)  # a slot None into the first block: its next value
         carried = (set(info.carried.get(path, {}).values()) | {members[0].in_slot}) & set(slots)
         feeders = family_outputs(info, info.list_paths[n - 1], family) if n else None
         family = {k for k in carried if is_token_slot(g, info, slots[k], feeders)}
@@ -246,7 +246,8 @@ def grid_arguments(info: StreamInfo, route: Route, grid: tuple[int, ...] | None)
     """Blocks of the route that receive the patch grid's height and width as numbers.
 
     Sana's blocks take ``(..., height, width)`` (Sana-Video's ``(..., frames, height,
-    width)``) and reshape their tokens to that grid. Such a route can keep whole rows
+    width)``), a Vision-RWKV block a tuple ``patch_resolution=(H, W)``, and reshape their
+    tokens to that grid. Such a route can keep whole rows
     (``selection="rows"``; in every frame for a video grid) if each block is told the kept
     row count instead of the height.
 
@@ -255,12 +256,30 @@ def grid_arguments(info: StreamInfo, route: Route, grid: tuple[int, ...] | None)
     """
     found = []
     for block in info.blocks[route.start : route.end] if grid is not None else ():
-        numbers = int_arguments(block.node)
-        for i in range(len(numbers) - len(grid) + 1):
-            if tuple(v for _, v in numbers[i : i + len(grid)]) == tuple(grid):
-                found.append((block.node, numbers[i + len(grid) - 2][0]))
-                break
+        runs = [int_arguments(block.node), *_tuple_ints(argument_items(block.node))]
+        found += _height_in_runs(block.node, runs, tuple(grid))
     return found
+
+
+def _height_in_runs(node: fx.Node, runs: list[list], grid: tuple[int, ...]) -> list[tuple]:
+    """``(node, slot)`` of the height in the first run of ints that spells ``grid``."""
+    for numbers in runs:
+        for i in range(len(numbers) - len(grid) + 1):
+            if tuple(v for _, v in numbers[i : i + len(grid)]) == grid:
+                return [(node, numbers[i + len(grid) - 2][0])]
+    return []
+
+
+def _tuple_ints(items: list[tuple[tuple, object]]) -> list[list[tuple[tuple, int]]]:
+    """``(slot, value)`` runs of the ints inside each tuple or list argument, nested slots
+    ``(*slot, j)`` as ``input_slots`` names them (``patch_resolution=(H, W)``)."""
+    runs = []
+    for key, value in items:
+        if isinstance(value, (tuple, list)):
+            inner = [((*key, j), v) for j, v in enumerate(value)]
+            runs.append([(k, int_value(v)) for k, v in inner if int_value(v) is not None])
+            runs += _tuple_ints(inner)
+    return runs
 
 
 def grid_in_block_arguments(info: StreamInfo, tokens: int) -> tuple[int, ...] | None:

@@ -38,7 +38,7 @@ from tread_fx.passes.locate.stacks import (
 )
 from tread_fx.passes.trace.tracer import MODEL_PREFIX, TensorMeta, TracedCall
 
-__all__ = ["BlockCall", "StreamInfo", "locate"]
+__all__ = ["BlockCall", "StreamInfo", "handed_values", "locate"]
 
 SlotKey = tuple  # ("arg", i) | ("kwarg", name), then (..., j, ...) into nested tuples
 
@@ -409,3 +409,33 @@ def _carried_slots(blocks: list[BlockCall]) -> dict[tuple, SlotKey]:
         if len(deps) == 1:
             carried[deps[0]] = key
     return carried
+
+
+def handed_values(info: StreamInfo, list_path: str) -> dict[SlotKey, fx.Node]:
+    """Each carried input slot of list ``list_path`` with the value its first member that
+    receives a node there is handed (the stream slot included).
+
+    Usually the list's first block; for a slot the first block is handed ``None`` in (a
+    ``mamba_ssm``-style ``(hidden_states, residual)`` pair: no residual into the first
+    block), the value the first block hands on there.
+
+    Example:
+        >>> # info.carried == {"layers": {("item", 0): ("arg", 0), ("item", 1): ("arg", 1)}}
+        >>> # handed_values(info, "layers") -> {("arg", 0): embed, ("arg", 1): getitem_1}
+    """
+    members = [b for b in info.blocks if b.list_path == list_path]
+    keys = {*info.carried.get(list_path, {}).values(), members[0].in_slot}
+    found: dict[SlotKey, fx.Node] = {}
+    for member in members:
+        slots = input_slots(member.node)
+        found |= {k: _unrouted(slots[k]) for k in keys - found.keys() if k in slots}
+    return found
+
+
+def _unrouted(node: fx.Node) -> fx.Node:
+    """``node``, or the value a route planned before put a gather or a scatter around (the
+    rewrite marks them ``tread_role``; the full value is a gather's first argument, the
+    routed one a scatter's second)."""
+    while isinstance(node, fx.Node) and node.meta.get("tread_role") in ("gather", "scatter"):
+        node = node.args[0 if node.meta["tread_role"] == "gather" else 1]
+    return node

@@ -14,7 +14,10 @@ built from buffers, factories or sizes whose use says nothing of its dims (``unk
 ``ids``) is refused. A block with a token table is inlined into the routed graph: its tables
 are built for all ``N`` tokens (at the traced sizes, so positions stay the original ones) and
 cut to the kept tokens where they meet the data. Tables have no batch dim, so the route's
-selection is shared across the batch.
+selection is shared across the batch. This holds for every table built from the token count
+(``arange(T)`` distances, ``eye(T)``, ``ones(T, T).tril()``, a constant the trace folded
+because ``T`` was an int): it is never rebuilt for the kept count, so a distance between
+kept tokens stays their original one (docs/design.md, issue 44).
 
 Example:
     >>> # driven by tread_fx.pipeline.build: find_token_tables, then inline_token_tables.

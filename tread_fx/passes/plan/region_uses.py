@@ -51,12 +51,11 @@ from tread_fx.passes.locate.dataflow import (
 )
 from tread_fx.passes.locate.layout import int_arguments, stream_tokens
 from tread_fx.passes.locate.stream import BlockCall, StreamInfo
+from tread_fx.passes.plan.op_kinds import is_elementwise
 from tread_fx.passes.plan.uses import (
-    _ELEMENTWISE,
     BlockUses,
     Use,
     _forward,
-    _name,
     _sides,
     _tensor_use,
     call_uses,
@@ -234,7 +233,7 @@ def _between_use(
     if found:
         return strongest(found)
     sides = [(n, *_sides(n, reach, stream)) for n in code]
-    if any(mine and theirs and _name(n) not in _ELEMENTWISE for n, mine, theirs in sides):
+    if any(mine and theirs and not is_elementwise(n) for n, mine, theirs in sides):
         return Use.UNKNOWN  # it meets the stream in an op whose use no rule reads
     dim, size = layout.batch_dim, layout.batch_size
     if any(
@@ -261,7 +260,7 @@ def batch_broadcast(
     stream = _forward(stream_start, region)
     for user in (u for u in node.users if u in region):
         others = [a for a in user.all_input_nodes if a is not node]
-        if _name(user) not in _ELEMENTWISE or not others:
+        if not is_elementwise(user) or not others:
             return None
         if not all(a in stream and _batch(a, dim) == layout.batch_size for a in others):
             return None

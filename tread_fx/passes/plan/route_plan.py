@@ -44,6 +44,11 @@ from tread_fx.passes.locate.layout import (
     stream_prefix,
 )
 from tread_fx.passes.locate.stream import BlockCall, StreamInfo
+from tread_fx.passes.plan.handoff import (
+    carried_counterparts,
+    check_empty_start,
+    check_handed_layouts,
+)
 from tread_fx.passes.plan.region_uses import (
     count_arguments,
     in_stream_layout,
@@ -219,10 +224,12 @@ def _entering(g, plan_args, region, info, layout, strict) -> list[Crossing]:
     return crossings
 
 
-def _leaving(region, info, route, stream, entering, layout, non_token=frozenset()) -> list:
-    stream_start, stream_end = stream
+def _leaving(region, info, route, stream, entering, layout, carried=(frozenset(), set())) -> list:
+    """What leaves the region; ``carried``: (values handed on at the end that are no token
+    stream, the start list's carried token slots)."""
+    (stream_start, stream_end), (non_token, family) = stream, carried
     gathered = {c.node for c in entering if c.action != "pass"}
-    counterparts = _carried_counterparts(info, route)
+    counterparts = carried_counterparts(info, route)
     crossings = []
     for node in _in_order(region):
         outside = [u for u in node.users if u not in region and (u.users or u.op == "output")]
@@ -231,10 +238,25 @@ def _leaving(region, info, route, stream, entering, layout, non_token=frozenset(
         meta = node.meta.get("tread_meta")
         if node is stream_end:
             action, reason, counterpart = "scatter", "token stream", stream_start
-        elif node in counterparts and counterparts[node] in gathered:
-            action, reason, counterpart = "scatter", "carried token stream", counterparts[node]
+        elif node in counterparts and (
+            counterparts[node][1] in gathered
+            or (counterparts[node][1] is None and counterparts[node][0] in family)
+        ):  # a carried token slot: into its value at the start (none there: zeros)
+            slot, counterpart = counterparts[node]
+            reason = "carried token stream" + (
+                ", zeros at the start" if counterpart is None else ""
+            )
+            options = {"slot": slot, "empty": counterpart is None}
+            crossings.append(Crossing(node, "scatter", reason, outside, counterpart, options))
+            continue
         elif node in non_token:
             action, reason, counterpart = "pass", "carried non-token stream", None
+        elif (
+            node in counterparts
+            and counterparts[node][0] is None
+            and in_stream_layout(meta, layout)
+        ):
+            raise _no_counterpart(node, route, info)
         elif in_stream_layout(meta, layout) and meta == stream_start.meta.get("tread_meta"):
             action, reason, counterpart = "scatter", "stream-shaped value", stream_start
         elif any(in_stream_layout(m, layout) for m in _items(meta)):
@@ -252,6 +274,20 @@ def _leaving(region, info, route, stream, entering, layout, non_token=frozenset(
     return crossings
 
 
+def _no_counterpart(node: fx.Node, route: Route, info: StreamInfo) -> TokenStreamError:
+    """The route ends where the blocks are handed, besides the stream, a token-aligned value
+    that continues none of the start block's slots (code between the lists computes it from
+    several of them)."""
+    start, end = info.blocks[route.start], info.blocks[min(route.end, info.depth - 1)]
+    return TokenStreamError(
+        f"route ({route.start}, {route.end}) ends where the blocks of {end.list_path!r} are "
+        f"handed '{node.name}' besides the token stream, laid out like it, but it is not "
+        f"handed on from a slot of block {start.path} (code between the lists computes it), "
+        "so the routed-around tokens have no value of it at the route start to re-enter "
+        f"with. End the route in {start.list_path!r}, or start it in {end.list_path!r}."
+    )
+
+
 def _shape_text(meta: Any) -> Any:
     """A value's shape for messages; a tuple's item shapes (``((2, 65, 32), (2, 17, 64))``)."""
     if isinstance(meta, (tuple, list)):
@@ -262,26 +298,6 @@ def _shape_text(meta: Any) -> Any:
 def _items(meta: Any) -> tuple:
     """A value's metadata, or its items' for a tuple of values."""
     return tuple(meta) if isinstance(meta, (tuple, list)) else (meta,)
-
-
-def _carried_counterparts(info: StreamInfo, route: Route) -> dict[fx.Node, fx.Node]:
-    """Map values that re-enter a carried slot at the route end to that slot at the start."""
-    start = info.blocks[route.start]
-    start_slots = input_slots(start.node)
-    pairs = {}
-    if route.end < info.depth:
-        end = info.blocks[route.end]
-        if end.list_path == start.list_path:
-            for key, node in input_slots(end.node).items():
-                if key in start_slots and key != start.in_slot:
-                    pairs[node] = start_slots[key]
-    else:
-        last = info.blocks[-1]
-        for out_key, node in output_slots(last.node).items():
-            in_key = info.carried.get(last.list_path, {}).get(out_key)
-            if in_key in start_slots and in_key != start.in_slot:
-                pairs[node] = start_slots[in_key]
-    return pairs
 
 
 def _module_of(node: fx.Node) -> Any:
@@ -394,8 +410,14 @@ def _boundary(gm, g, info: StreamInfo, route: Route, strict: bool, grid=None, pi
     )
     uses = route_uses(gm, info, route, region, layout)
     entering = _entering(g, (start, stream_start, uses), region, info, layout, strict)
-    non_token = non_token_carried(g, info, route)
-    leaving = _leaving(region, info, route, (stream_start, stream_end), entering, layout, non_token)
+    check_handed_layouts(g, info, route)
+    carried = non_token_carried(g, info, route), family_slots(g, info, start)
+    stream = (stream_start, stream_end)
+    leaving = _leaving(region, info, route, stream, entering, layout, carried)
+    for crossing in leaving:  # a carried token slot the start block was handed nothing in
+        if crossing.options.get("empty"):
+            like = crossing.node.meta["tread_meta"]
+            check_empty_start(gm, route, start, crossing.options["slot"], like)
     common = {
         "route": route,
         "start_block": start,

@@ -6,9 +6,11 @@ forward through the block's data flow (a size read is no data), and the uses it 
 what it is (first match in this order):
 
 - ``mask``: the ``attn_mask`` of ``scaled_dot_product_attention`` or
-  ``nn.MultiheadAttention``, added to ``q @ k^T`` scores (``+`` or ``baddbmm``) or combined
-  with the attention probabilities, the mask of ``masked_fill`` or ``where``: cut on every
-  token dim.
+  ``nn.MultiheadAttention``, combined elementwise with ``q @ k^T`` scores or the attention
+  probabilities (``+``, ``baddbmm``, ``maximum``, ``where`` ...), the condition or mask of a
+  selecting op (``where``, ``masked_fill``), a token-by-token map of its own (elementwise
+  beside the stream's tokens and broadcast over them, ``exp(-w * |i - j|)``; or a ``[T, T]``
+  matrix the stream's tokens are multiplied by): cut on every token dim.
 - ``ids``: indexes an embedding or a table (``embedding``, ``index_select``, ``gather``,
   advanced indexing): gathered.
 - ``table``: elementwise with the stream (or q/k) on a non-last dim of a token count
@@ -26,6 +28,9 @@ sizes, slices or splits a token dim of a stream tensor (``view``/``reshape``/``u
 dim may equal the token count). A block that cannot be traced through has no uses (``None``).
 Other module calls (:func:`call_uses`) and the tables a block builds (:func:`built_table_uses`)
 are decided the same way. Names play no part here (nor anywhere a side value is decided).
+Which ops are elementwise and which inputs select is read from torch's op metadata
+(:mod:`tread_fx.passes.plan.op_kinds`); ``softmax`` and the dtype conversions stay on the
+score path by name (no tag says a normalisation keeps a token-by-token map).
 
 Example:
     >>> Use.MASK.value
@@ -48,6 +53,13 @@ from torch import nn
 
 from tread_fx.adapters.values import SideValue
 from tread_fx.passes.locate.dataflow import argument_items, tensor_shape
+from tread_fx.passes.plan.op_kinds import (
+    is_elementwise,
+    keeps_values,
+    mixes_tokens,
+    pairs_tokens,
+    selector_args,
+)
 from tread_fx.passes.trace.block import example_of, is_tensorish, trace_through
 
 __all__ = [
@@ -82,11 +94,7 @@ _SDPA = "scaled_dot_product_attention"
 _MATMUL = {"matmul", "bmm", "baddbmm", "einsum", "__matmul__", "linear"}
 _SCORE_PATH = {"mul", "div", "truediv", "__mul__", "__truediv__", "float", "to", "type_as",
                "contiguous", "add", "__add__", "iadd", "add_", "mul_", "div_",
-               "softmax"}  # fmt: skip
-_MASK_FILL = {"masked_fill", "masked_fill_", "where"}
-_ELEMENTWISE = {"add", "sub", "mul", "div", "truediv", "iadd", "isub", "imul", "add_", "sub_",
-                "mul_", "div_", "addcmul", "__add__", "__sub__", "__mul__", "__truediv__",
-                "__radd__", "__rmul__", "__rsub__", "lerp"}  # fmt: skip
+               "softmax", "log_softmax"}  # fmt: skip
 _INDEX = {"embedding", "index_select", "take_along_dim", "gather"}
 _CAT = {"cat", "concat", "concatenate", "stack"}
 _RESHAPE = {"view", "reshape", "unflatten"}
@@ -143,7 +151,7 @@ def _is_scores(node: fx.Node, stream: set[fx.Node], depth: int = 4) -> bool:
     name = _name(node)
     if name in _MATMUL:
         return sum(a in stream for a in node.all_input_nodes) >= 2
-    if depth == 0 or name not in _SCORE_PATH:
+    if depth == 0 or not (name in _SCORE_PATH or is_elementwise(node) or keeps_values(node)):
         return False
     return any(_is_scores(a, stream, depth - 1) for a in node.all_input_nodes if a in stream)
 
@@ -178,19 +186,23 @@ def _tensor_use(node: fx.Node, reach: set[fx.Node], stream: set[fx.Node], ctx) -
         if mask in reach:
             return Use.MASK
         return Use.CONTEXT if mine and theirs else None
-    if name in _MASK_FILL and len(node.args) > 1:
-        cond = node.args[0] if name == "where" else node.args[1]
-        return Use.MASK if cond in reach and theirs else None
+    if any(s in reach for s in selector_args(node)):  # the condition of where, masked_fill
+        return Use.MASK if theirs else None
     if name in _INDEX or name == "getitem":
         table = node.args[1] if name == "embedding" else node.args[0]
         index = [a for a in node.all_input_nodes if a is not table]
         return Use.IDS if table not in reach and any(a in reach for a in index) else None
     if name in _MATMUL and mine and theirs:
         added = name == "baddbmm" and node.args[0] in mine  # baddbmm(bias, q, k^T)
-        return Use.MASK if added and _is_scores(node, stream) else Use.CONTEXT
-    if name in _ELEMENTWISE and mine and theirs:
+        mixed = mixes_tokens(node, mine, theirs, tokens)  # [T, T] @ stream
+        return Use.MASK if added and _is_scores(node, stream) or mixed else Use.CONTEXT
+    if is_elementwise(node) and mine and theirs:
         if any(_is_scores(t, stream) for t in theirs):
             return Use.MASK
+        if any(
+            pairs_tokens(tensor_shape(a), tensor_shape(t), tokens) for a in mine for t in theirs
+        ):
+            return Use.MASK  # a token-by-token map of its own
         if any(_aligned(tensor_shape(a), tensor_shape(t), tokens) for a in mine for t in theirs):
             return Use.TABLE
     if name in _CAT and mine and theirs:  # joined along the tokens: other tokens (text)
@@ -200,7 +212,7 @@ def _tensor_use(node: fx.Node, reach: set[fx.Node], stream: set[fx.Node], ctx) -
         ):
             return Use.TABLE
         return Use.CONTEXT
-    if mine and theirs and name not in _ELEMENTWISE:
+    if mine and theirs and not is_elementwise(node):
         return Use.UNKNOWN  # an op tread_fx cannot see into meets it and the stream
     return None
 
@@ -464,12 +476,23 @@ def _reshaped(node: fx.Node, shape: tuple[int, ...], tokens: set[int]) -> set[tu
     return found
 
 
+def _tag(value: Any, slot: tuple) -> Any:
+    """``value`` with each int tagged by its slot, into plain tuples and lists
+    (``patch_resolution=(H, W)``: ``(*slot, j)`` for item ``j``, as ``input_slots`` names it)."""
+    if type(value) is int:
+        return TaggedInt(value, slot)
+    if type(value) in (tuple, list):
+        return type(value)(_tag(v, (*slot, j)) for j, v in enumerate(value))
+    return value
+
+
 def tagged_example(example: Any, node: fx.Node) -> Any:
-    """The block call's example ``(args, kwargs)`` with each int argument tagged by its slot."""
+    """The block call's example ``(args, kwargs)`` with each int argument tagged by its slot
+    (ints inside tuple and list arguments too)."""
     args, kwargs = list(example[0]), dict(example[1])
     for slot, _ in argument_items(node):
         kind, key = slot
         holder = args if kind == "arg" else kwargs
-        if (key < len(holder) if kind == "arg" else key in holder) and type(holder[key]) is int:
-            holder[key] = TaggedInt(holder[key], slot)
+        if key < len(holder) if kind == "arg" else key in holder:
+            holder[key] = _tag(holder[key], slot)
     return tuple(args), kwargs

@@ -12,6 +12,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any
 
 import torch.fx as fx
@@ -122,20 +123,37 @@ def _scatter(
 ) -> None:
     token_dim = plan.layout.token_dim
     with graph.inserting_after(crossing.node):
+        base = _base(graph, crossing, plan, reinsert)
+    made = base is not crossing.counterpart  # zeros or a weighted counterpart, just made
+    with graph.inserting_after(base if made else crossing.node):
         if reinsert.mode == "blend" and crossing.node is plan.stream_end:
-            args = (crossing.counterpart, crossing.node, idx, embedded)
+            args = (base, crossing.node, idx, embedded)
             weights = (reinsert.base_weight, reinsert.embedded_weight, token_dim)
             new = graph.call_function(blend_tokens, args + weights)
         elif crossing.prefix_shift:  # [other tokens | kept image tokens] -> full stream
-            args = (crossing.counterpart, crossing.node, idx, crossing.prefix_shift, token_dim)
+            args = (base, crossing.node, idx, crossing.prefix_shift, token_dim)
             new = graph.call_function(scatter_after_prefix, args)
         else:
-            args = (crossing.counterpart, crossing.node, idx, token_dim)
-            new = graph.call_function(scatter_tokens, args)
-    source = crossing.node if crossing.prefix_shift else crossing.counterpart
+            new = graph.call_function(scatter_tokens, (base, crossing.node, idx, token_dim))
+    source = crossing.node if crossing.prefix_shift or made else base
     _mark(new, source.meta.get("tread_meta"), "scatter", plan.index)
     for user in crossing.users:
         user.replace_input_with(crossing.node, new)
+
+
+def _base(graph: fx.Graph, crossing: Crossing, plan: RoutePlan, reinsert: Reinsert) -> fx.Node:
+    """What the routed-around tokens of a leaving value re-enter as: its counterpart at the
+    route start; zeros shaped like the value where the start block was handed nothing in its
+    slot (``options["empty"]``); for a carried slot other than the stream in blend mode, the
+    counterpart times ``base_weight`` (the embedded input is added to the stream alone: blocks
+    that sum their hand-off slots, a ``(hidden, residual)`` pair, see it once)."""
+    if crossing.options.get("empty"):
+        shape = crossing.node.meta["tread_meta"].shape  # the unrouted value's, all tokens
+        return graph.call_method("new_zeros", (crossing.node, shape))
+    blended = reinsert.mode == "blend" and crossing.node is not plan.stream_end
+    if blended and "slot" in crossing.options and reinsert.base_weight != 1.0:
+        return graph.call_function(operator.mul, (crossing.counterpart, reinsert.base_weight))
+    return crossing.counterpart
 
 
 def _selection_anchor(graph: fx.Graph, plan: RoutePlan) -> fx.Node:
