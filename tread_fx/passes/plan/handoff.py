@@ -197,6 +197,8 @@ def _misfit(dims: list[int], aligned: bool, info: StreamInfo, first: BlockCall, 
     """Token dims the stream's selection does not cover: a token count on another dim where
     the stream has none (a dim as wide as the stream's own there reads like it: features);
     for a slot not laid out like the stream, also its token dim ([B, N, N] scores)."""
+    if not dims:
+        return False
     stream, shape = first.stream_in.meta["tread_meta"].shape, value.meta["tread_meta"].shape
     token_dim = info.layout.token_dim
     others = [d for d in dims if d != token_dim]
