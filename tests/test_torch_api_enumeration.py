@@ -25,7 +25,7 @@ B, N, D = 2, 16, 32
 CALLS = sorted(
     (access, name, torch_api.probed(fn, name.rsplit(".", 1)[-1]))
     for (access, name), fn in torch_api.enumerate_api().items()
-    if torch_api.probed(fn, name.rsplit(".", 1)[-1])[0] in torch_api.answered_kinds()
+    if torch_api.probed(fn, name.rsplit(".", 1)[-1])[0] in torch_api.ANSWERED_KINDS
 )
 
 

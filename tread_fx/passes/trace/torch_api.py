@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
+import operator
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -43,7 +44,7 @@ from tread_fx.runtime.guards import GUARD_MARK
 
 __all__ = [
     "REFUSED",
-    "answered_kinds",
+    "ANSWERED_KINDS",
     "check_traced_metadata",
     "classify",
     "enumerate_api",
@@ -53,6 +54,9 @@ __all__ = [
     "kind_of_method",
     "probed",
 ]
+
+#: The kinds whose Python answer the trace reads from the carried value.
+ANSWERED_KINDS = ("shape", "metadata", "guarded")
 
 # refused on purpose, whatever the probes say: name -> reason
 REFUSED = {
@@ -239,16 +243,12 @@ def enumerate_api() -> dict[tuple[str, str], Callable]:
                 found.setdefault(("function", f"{namespace.__name__}.{fn.__name__}"), fn)
             else:  # a property's descriptor: the getter
                 name = getattr(getattr(namespace, "fget", namespace), "__name__", "")
-                found.setdefault(("attribute", name), functools.partial(_getattr, name=name))
+                found.setdefault(("attribute", name), operator.attrgetter(name))
     for fn in torch.overrides.get_ignored_functions():  # no __torch_function__, still methods
         name = getattr(fn, "__name__", "")
         if name and getattr(torch.Tensor, name, None) is fn:
             found.setdefault(("method", name), fn)
     return found
-
-
-def _getattr(tensor: torch.Tensor, name: str) -> Any:
-    return getattr(tensor, name)
 
 
 @functools.cache
@@ -273,11 +273,6 @@ def kind_of_attribute(name: str) -> str:
     """The kind of ``tensor.<name>``."""
     fn = enumerate_api().get(("attribute", name))
     return "unprobed" if fn is None else classify(fn, name)
-
-
-def answered_kinds() -> tuple[str, ...]:
-    """The kinds whose Python answer the trace reads from the carried value."""
-    return ("shape", "metadata", "guarded")
 
 
 @torch.fx.node.has_side_effect

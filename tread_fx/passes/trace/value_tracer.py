@@ -33,7 +33,7 @@ from tread_fx.passes.trace.support import (
     user_frame,
 )
 from tread_fx.passes.trace.torch_api import (
-    answered_kinds,
+    ANSWERED_KINDS,
     check_traced_metadata,
     is_tensor_result,
     kind_of_attribute,
@@ -345,7 +345,7 @@ class ValueTracer(fx.Tracer):
                 return False
             self.autograd_reads.add(node)
             return True
-        return api not in answered_kinds()
+        return api not in ANSWERED_KINDS
 
     # -- modules ----------------------------------------------------------------------------
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
