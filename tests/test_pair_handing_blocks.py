@@ -192,16 +192,19 @@ def test_every_routed_block_sees_the_kept_tokens_in_both_slots(case):
     ]
 
 
-def test_a_mid_block_between_the_lists_leaves_the_route_on_the_in_blocks():
-    """Out of reach: a mid block outside the lists is traced through as code, so the out
-    blocks are handed ``mixer(norm(r + h))`` and ``r + h``, both computed from both in-block
-    slots; which continues the stream, and which start slot the residual continues, the data
-    flow does not say. The route stays on the in blocks (warned), over both slots."""
+def test_a_mid_block_between_the_lists_is_inside_a_route_over_both_lists():
+    """A mid block outside the lists is traced through as code, so the out blocks are handed
+    ``mixer(norm(r + h))`` and ``r + h``, both computed from both in-block slots; blocks of
+    one class read one argument alike, so argument ``i`` continues argument ``i`` and the
+    route spans both lists (``tests/test_vim_uvit_layout.py`` has the full layout)."""
     model = Case("mid", lambda: PairUViT(mid=True), _inputs).model()
-    with pytest.warns(tread_fx.errors.ThinRouteWarning, match="in_blocks"):
-        exp = tread_fx.explain(model, [(1, -1)], 0.5, _inputs(), flops=False)
-    assert [s["path"] for s in exp.stacks] == ["in_blocks"]
-    assert [b.tokens_routed for b in exp.blocks] == [N, N - N // 2, N]
+    tread_fx.route(model, routes=[(1, -1)], rate=0.5, seed=0)
+    (x,), _ = _inputs()
+    routed = model.train()(x)
+    kept = [info.kept for info in tread_fx.route_info(model)]
+    with torch.no_grad():
+        expected = _by_hand(model, x, [(1, 5)], kept)
+    torch.testing.assert_close(routed.detach(), expected)
 
 
 @pytest.mark.parametrize("check", INVARIANTS, ids=lambda f: f.__name__)

@@ -51,6 +51,7 @@ __all__ = [
     "block_leaf_paths",
     "main_input",
     "block_calls",
+    "block_class",
     "carrying_lists",
     "choose_stack",
     "refuse_hierarchical_stages",
@@ -67,19 +68,24 @@ def candidate_stacks(model: nn.Module) -> dict[str, nn.Module]:
     found, mixed = {}, {}
     for path, module in model.named_modules():
         is_container = isinstance(module, (nn.ModuleList, nn.Sequential))
-        if is_container and len(module) >= 2 and len({_block_class(c) for c in module}) == 1:
+        if is_container and len(module) >= 2 and len({block_class(c) for c in module}) == 1:
             found[path] = module
         elif isinstance(module, nn.ModuleList) and len(module) >= 2:
             mixed[path] = module
     return found or mixed
 
 
-def _block_class(module: nn.Module) -> type:
+def block_class(module: nn.Module) -> type:
     """A member's class; a member compiled on its own (``torch.compile(block)``, dynamo's
-    ``OptimizedModule``) counts as the class it wraps."""
+    ``OptimizedModule``) counts as the class it wraps.
+
+    Example:
+        >>> block_class(nn.Linear(2, 2)).__name__
+        'Linear'
+    """
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
     if eval_frame is not None and isinstance(module, eval_frame.OptimizedModule):
-        return _block_class(module._orig_mod)
+        return block_class(module._orig_mod)
     return type(module)
 
 

@@ -32,13 +32,14 @@ from tread_fx.passes.locate.dataflow import (
 from tread_fx.passes.locate.dims import joint_parts, stream_dims
 from tread_fx.passes.locate.stacks import (
     block_calls,
+    block_class,
     choose_stack,
     main_input,
     refuse_hierarchical_stages,
 )
 from tread_fx.passes.trace.tracer import MODEL_PREFIX, TensorMeta, TracedCall
 
-__all__ = ["BlockCall", "StreamInfo", "handed_values", "locate"]
+__all__ = ["BlockCall", "StreamInfo", "handed_values", "locate", "same_block_class"]
 
 SlotKey = tuple  # ("arg", i) | ("kwarg", name), then (..., j, ...) into nested tuples
 
@@ -307,6 +308,10 @@ def _assign_stream_slots(blocks: list[BlockCall], primary: fx.Node, block_nodes:
             if len(keys) > 1 and following is not None:
                 # a U-ViT's out blocks take (x, skip), both from the in blocks, and hand x on
                 keys = _handed(block, following, keys, block_nodes) or keys
+            if len(keys) > 1 and prev.in_slot in keys and same_block_class(prev, block):
+                # a pair (hidden, residual) through a mid block traced as code: both handed
+                # on, both computed from both; blocks of one class read it in one argument
+                keys = [prev.in_slot]
             if len(keys) != 1:
                 raise _UnclearHandOff(
                     block.list_path,
@@ -329,6 +334,17 @@ def _assign_stream_slots(blocks: list[BlockCall], primary: fx.Node, block_nodes:
         else:  # (members of several kinds: attention returns a tuple, a feed-forward a tensor)
             block.out_slot = _out_slot(block, following, block_nodes)
         block.stream_out = block.node if block.out_slot is None else outs[block.out_slot]
+
+
+def same_block_class(a: BlockCall, b: BlockCall) -> bool:
+    """Whether two block calls run one block class (so their arguments mean the same).
+
+    Example:
+        >>> # same_block_class(info.blocks[2], info.blocks[3]) -> True for U-ViT's in/out
+    """
+    gm = a.node.graph.owning_module
+    modules = (gm.get_submodule(n.target) for n in (a.node, b.node))
+    return block_class(next(modules)) is block_class(next(modules))
 
 
 def _handed_into_member(

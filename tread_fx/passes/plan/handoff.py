@@ -31,9 +31,9 @@ from torch.utils import _pytree as pytree
 
 from tread_fx.adapters.values import NO_BATCH_DIM, TensorMeta
 from tread_fx.errors import TokenStreamError
-from tread_fx.passes.locate.dataflow import input_slots, output_slots, tensor_meta
+from tread_fx.passes.locate.dataflow import fed_by, input_slots, output_slots, tensor_meta
 from tread_fx.passes.locate.layout import family_outputs, family_slots, fed_only_by
-from tread_fx.passes.locate.stream import BlockCall, StreamInfo, handed_values
+from tread_fx.passes.locate.stream import BlockCall, StreamInfo, handed_values, same_block_class
 from tread_fx.passes.trace.block import example_of
 from tread_fx.routes import Route
 
@@ -75,21 +75,37 @@ def carried_counterparts(
 
 
 def _slot_in_list(info: StreamInfo, path: str, target: str, key: tuple) -> tuple | None:
-    """The slot of list ``target`` that slot ``key`` of list ``path`` continues (``None``:
-    not handed on by the last block of the list before: code between the lists, a mid
-    block's, computes it)."""
+    """The slot of list ``target`` that slot ``key`` of list ``path`` continues: the one the
+    list before hands on into it, or, where code between the lists (a mid block traced
+    through) computes it from that list's outputs, the same argument of a list of the same
+    block class (``None``: neither)."""
     while path != target:
         n = info.list_paths.index(path)
         if n == 0:
             return None
+        first = next(b for b in info.blocks if b.list_path == path)
         value = handed_values(info, path).get(key)
         path = info.list_paths[n - 1]
         last = [b for b in info.blocks if b.list_path == path][-1]
         items = {node: k for k, node in output_slots(last.node).items()}
-        key = info.carried.get(path, {}).get(items[value]) if value in items else None
+        if value in items:
+            key = info.carried.get(path, {}).get(items[value])
+        elif not _same_slot_between(info, (last, first), key, value):
+            key = None
         if key is None:
             return None
     return key
+
+
+def _same_slot_between(info: StreamInfo, blocks: tuple, key: tuple, value) -> bool:
+    """Whether ``value``, handed in ``key`` to the first block of a list (``blocks[1]``) and
+    computed by code from the outputs of the last block of the list before (``blocks[0]``),
+    continues that list's slot ``key``: both blocks of one class, which carries ``key``."""
+    last, first = blocks
+    carried = {*info.carried.get(last.list_path, {}).values(), last.in_slot}
+    stop = {b.node for b in info.blocks} - {last.node}
+    computed = isinstance(value, fx.Node) and fed_by(value, last.node, stop)
+    return computed and key in carried and same_block_class(last, first)
 
 
 def check_empty_start(gm: fx.GraphModule, route: Route, start: BlockCall, slot, like) -> None:
