@@ -1,0 +1,279 @@
+"""The first grammar: the features of one generated backbone, drawn from its seed.
+
+A :class:`Draw` is everything the source writer and the twin need to know by construction:
+what the input is, which company tokens join the stream and where, how the blocks are held
+and called, which side values reach them, where the route is, and whether the model must be
+refused. :func:`draw` fills it from ``random.Random(seed)``; :class:`Names` gives every class,
+attribute and argument a random identifier (never a real model's name).
+
+Later feature families add fields and a ``features()`` entry; the writer reads only fields.
+
+Example:
+    >>> d = draw(3)
+    >>> d == draw(3), 4 <= d.depth <= 8, 0 <= d.start < d.end <= d.depth
+    (True, True, True)
+"""
+
+from __future__ import annotations
+
+import keyword
+import random
+from dataclasses import dataclass, field
+
+__all__ = ["Company", "Draw", "Names", "draw", "BATCH"]
+
+BATCH = 2
+_PIECES = ("ka", "lo", "ri", "zu", "ne", "ta", "vi", "po", "se", "mu", "dr", "qe", "ox", "yl")
+
+
+class Names:
+    """Random identifiers, unique within one model, drawn from the model's own generator.
+
+    Example:
+        >>> names = Names(random.Random(0))
+        >>> a, b = names.fresh(), names.fresh()
+        >>> a != b and a.isidentifier() and not keyword.iskeyword(a)
+        True
+    """
+
+    def __init__(self, rng: random.Random) -> None:
+        self._rng = rng
+        self._used: set[str] = set()
+
+    def fresh(self) -> str:
+        """A new identifier: two or three word pieces and a hex tail (``"kalo_3f"``)."""
+        while True:
+            count = self._rng.randint(2, 3)
+            word = "".join(self._rng.choice(_PIECES) for _ in range(count))
+            name = f"{word}_{self._rng.randrange(256):02x}"
+            if name not in self._used and not keyword.iskeyword(name):
+                self._used.add(name)
+                return name
+
+    def cls(self) -> str:
+        """A class name (capitalised)."""
+        return self.fresh().capitalize()
+
+
+@dataclass
+class Company:
+    """One part of the stream's company (tokens that join the stream and are never routed).
+
+    Attributes:
+        kind: ``"register"`` (learned tokens), ``"cls"`` (one learned token) or ``"time"``
+            (one token projected from the timestep embedding).
+        count: Tokens in this part.
+        attr: Attribute holding its parameter or projection.
+    """
+
+    kind: str
+    count: int
+    attr: str
+
+
+@dataclass
+class Draw:
+    """The features of one generated backbone (see the module docstring).
+
+    Attributes:
+        seed: The seed everything was drawn from.
+        input_kind: ``image_conv``, ``image_linear``, ``tokens`` (pre-patchified) or ``audio``.
+        patch_embed: For ``image_linear``: ``rearrange`` or ``unfold``.
+        channels: Image/audio channels, or the token feature size for ``tokens``.
+        grid: Patch grid ``(h, w)`` for images, ``(n,)`` otherwise.
+        patch: Patch size (images: side, audio: samples per token, tokens: 1).
+        width: Stream width at the route start.
+        heads: Attention heads.
+        depth: Blocks.
+        label: Whether a class label joins the timestep embedding.
+        adaln: Whether blocks take the conditioning (adaLN); else it is added to the tokens.
+        company: Parts joining the stream, in order.
+        company_side: ``prepend`` or ``append``.
+        company_join: ``cat`` (torch.cat) or ``pack`` (einops.pack).
+        container: ``modulelist``, ``sequential``, ``numbered`` or ``two_lists``.
+        split: For ``two_lists``: blocks in the first list.
+        call: ``positional`` or ``keyword``.
+        ret: ``tensor``, ``tuple`` (an extra output) or ``dict``.
+        side_order: Block arguments after the stream, in order (``cond``, ``rope``, ``mask``).
+        rope: ``None``, ``nd`` (``[N, d]`` tables) or ``bnd`` (``[B, N, d]``).
+        rope_buffer: The angles are a buffer sliced to N (else computed for N).
+        rope_block_slice: Each block slices the tables to its own token count.
+        mask: ``None``, ``bool`` or ``additive`` key-padding mask over the stream.
+        masked: Masked (trailing) patch tokens per sample.
+        attention: ``sdpa`` or ``explicit`` softmax.
+        refuse: ``None``, ``width`` (width changes inside the route) or ``merge`` (pairs of
+            tokens merged inside the route).
+        change_at: The block whose output changes width or token count (``refuse`` only).
+        start: Route start block.
+        end: Route end block (``depth`` re-enters after the last block).
+        rate: Route rate.
+        names: Identifiers for every class, attribute and argument, by role.
+    """
+
+    seed: int
+    input_kind: str
+    patch_embed: str
+    channels: int
+    grid: tuple[int, ...]
+    patch: int
+    width: int
+    heads: int
+    depth: int
+    label: bool
+    adaln: bool
+    company: list[Company]
+    company_side: str
+    company_join: str
+    container: str
+    split: int
+    call: str
+    ret: str
+    side_order: list[str]
+    rope: str | None
+    rope_buffer: bool
+    rope_block_slice: bool
+    mask: str | None
+    masked: tuple[int, ...]
+    attention: str
+    refuse: str | None
+    change_at: int
+    start: int
+    end: int
+    rate: float
+    names: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def num_patches(self) -> int:
+        """Routable (patch) tokens."""
+        n = 1
+        for g in self.grid:
+            n *= g
+        return n
+
+    @property
+    def num_company(self) -> int:
+        """Company tokens."""
+        return sum(part.count for part in self.company)
+
+    @property
+    def routable(self) -> bool:
+        """Whether the model must route (no must-refuse structure in the route)."""
+        return self.refuse is None
+
+    def features(self) -> list[str]:
+        """The feature labels the benchmark table counts, e.g. ``"container=numbered"``."""
+        out = [f"input={self.input_kind}", f"container={self.container}", f"call={self.call}"]
+        if self.input_kind == "image_linear":
+            out.append(f"patch_embed={self.patch_embed}")
+        out += [f"return={self.ret}", f"attention={self.attention}"]
+        out.append("cond=adaln" if self.adaln else "cond=added")
+        if self.label:
+            out.append("label")
+        for part in self.company:
+            out.append(f"company={part.kind}")
+        if self.company:
+            out.append(f"company_join={self.company_join}-{self.company_side}")
+        if self.rope:
+            out.append(f"rope={self.rope}")
+            out += ["rope.buffer"] if self.rope_buffer else []
+            out += ["rope.block_slice"] if self.rope_block_slice else []
+        if self.mask:
+            out.append(f"mask={self.mask}")
+        if self.refuse:
+            out.append(f"refuse={self.refuse}")
+        out.append(f"rate={self.rate}")
+        out.append("route_end=depth" if self.end == self.depth else "route_end=inner")
+        return out
+
+
+def _input(rng: random.Random) -> dict:
+    kind = rng.choice(["image_conv", "image_linear", "tokens", "audio"])
+    if kind.startswith("image"):
+        grid = (rng.choice([4, 6, 8]), rng.choice([4, 6, 8]))
+        return dict(input_kind=kind, grid=grid, patch=2, channels=rng.choice([3, 4]))
+    n = rng.choice([16, 24, 32, 48, 64])
+    if kind == "tokens":
+        return dict(input_kind=kind, grid=(n,), patch=1, channels=rng.choice([8, 12]))
+    return dict(input_kind=kind, grid=(n,), patch=4, channels=rng.choice([1, 2]))
+
+
+def _company(rng: random.Random, names: Names) -> list[Company]:
+    parts = []
+    for _ in range(rng.choice([0, 0, 1, 1, 2])):
+        kind = rng.choice(["register", "cls", "time"])
+        count = rng.randint(1, 4) if kind == "register" else 1
+        parts.append(Company(kind, count, names.fresh()))
+    return parts
+
+
+def _route(rng: random.Random, depth: int) -> tuple[int, int]:
+    start = rng.randrange(depth)
+    return start, rng.randint(start + 1, depth)
+
+
+def _masked(rng: random.Random, patches: int, rate: float) -> tuple[int, ...]:
+    """Trailing masked tokens per sample: fewer than half the kept count, so every sample
+    keeps unmasked keys whatever the selection."""
+    most = max(1, (patches - int(patches * rate)) // 2)
+    return tuple(rng.randint(1, most) for _ in range(BATCH))
+
+
+def _refusal(rng: random.Random, d: Draw) -> None:
+    """A must-refuse structure inside the route: it excludes what cannot follow it."""
+    d.refuse = rng.choice(["width", "merge"])
+    d.change_at = rng.randint(d.start, d.end - 1)
+    d.rope = None
+    if d.refuse == "merge":
+        d.company, d.mask = [], None
+
+
+def draw(seed: int) -> Draw:
+    """The features of the backbone of ``seed`` (deterministic).
+
+    Example:
+        >>> draw(0).seed
+        0
+    """
+    rng = random.Random(seed)
+    names = Names(rng)
+    width = rng.choice([32, 48])
+    depth = rng.randint(4, 8)
+    start, end = _route(rng, depth)
+    d = Draw(
+        seed=seed, **_input(rng), patch_embed=rng.choice(["rearrange", "unfold"]),
+        width=width, heads=rng.choice([2, 3]) if width == 48 else 2, depth=depth,
+        label=rng.random() < 0.5, adaln=rng.random() < 0.75, company=_company(rng, names),
+        company_side=rng.choice(["prepend", "append"]), company_join=rng.choice(["cat", "pack"]),
+        container=rng.choice(["modulelist", "sequential", "numbered", "two_lists"]),
+        split=rng.randint(1, depth - 1), call=rng.choice(["positional", "keyword"]),
+        ret=rng.choice(["tensor", "tuple", "dict"]), side_order=[],
+        rope=rng.choice([None, None, "nd", "bnd"]), rope_buffer=rng.random() < 0.5,
+        rope_block_slice=rng.random() < 0.3, mask=rng.choice([None, None, "bool", "additive"]),
+        masked=(), attention=rng.choice(["sdpa", "explicit"]), refuse=None, change_at=-1,
+        start=start, end=end, rate=rng.choice([0.25, 0.5, 0.5, 0.75]),
+    )  # fmt: skip
+    if rng.random() < 0.2:
+        _refusal(rng, d)
+    d.masked = _masked(rng, d.num_patches, d.rate) if d.mask else ()
+    sides = (["cond"] if d.adaln else []) + (["rope"] if d.rope else [])
+    sides += ["mask"] if d.mask else []
+    rng.shuffle(sides)
+    d.side_order = sides
+    d.names = {role: names.fresh() for role in _ROLES}
+    d.names.update({role: names.cls() for role in ("model", "block")})
+    return d
+
+
+_ROLES = (
+    # model attributes
+    "embed", "pos", "t1", "t2", "label_emb", "time_tok", "rope_buf", "list1", "list2",
+    "numbered", "final_norm", "final_ada", "head", "unmerge",
+    # block attributes
+    "n1", "qkv", "o", "n2", "f1", "f2", "ada", "wproj", "merge",
+    # model forward arguments
+    "arg_in", "arg_t", "arg_y", "arg_mask",
+    # block forward arguments
+    "b_x", "b_cond", "b_rope", "b_mask",
+    # dict keys, helpers, constants
+    "key_out", "key_aux", "fn_rot", "fn_freq", "fn_angles", "const_heads",
+)  # fmt: skip
