@@ -8,6 +8,8 @@ Modules:
     measure: step timing (interleaved), FLOP counting, activation memory, first-call overhead.
     report: the JSON file, the markdown table and the targets.
     step_time: the command line.
+    instructions: instructions per training step under valgrind's callgrind.
+    callgrind: callgrind's client requests from Python and its dump files.
     block_time: forward + backward time of one block of each backbone.
     official: our DiT + route() beside the authors' hand-edited DiT (their files from a path).
 """
