@@ -234,7 +234,7 @@ def _convergence_tables(rows: list[dict]) -> list[str]:
             if len(reached) == len(values):
                 cells.append(_mean_std(reached))
             elif reached:
-                shown = ", ".join(f"{v:.4g}" for v in reached)
+                shown = ", ".join(_pair(v) for v in reached)  # a tuple where curves exist
                 cells.append(f"reached in {len(reached)} of {len(values)} seeds: {shown}")
             else:
                 cells.append("not reached in any seed")

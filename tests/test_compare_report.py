@@ -82,3 +82,13 @@ def test_a_speedup_never_reached_is_said(finished):
     assert row["val speed-up"] is None and row["fid speed-up"] is None
     report = cr.write_report(finished, [], [], "limit").read_text()
     assert "not reached" in report and "reached in 1 of 2 seeds: 2" in report
+
+
+def test_a_seed_without_fid_curves_is_reported_beside_seeds_with_them(finished):
+    times = [0.0, 25.0, 50.0, 75.0, 100.0]
+    _arm(finished, 2, "baseline", times, [4, 3, 2, 1.5, 1.0], [40, 20, 10, 6, 4], 1.0)
+    _arm(finished, 2, "tread", times, [3, 2, 1.0, 0.8, 0.7], [30, 15, 8, 5, 3], 1.5)
+    for arm in ("baseline", "tread"):
+        (finished / "seed2" / arm / "fid_curve.jsonl").unlink()
+    report = cr.write_report(finished, [], [], "limit").read_text()
+    assert "reached in 2 of 3 seeds: 4 / 3, 4 / 3" in report  # FID at equal time, per seed
