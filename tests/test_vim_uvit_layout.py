@@ -15,32 +15,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_pair_handing_blocks import BiScan  # the Vim-style bidirectional mixer
 from third_party_checks import INVARIANTS, Case, gather_rows, scatter_rows
 from torch import nn
 
 import tread_fx
 
 B, N, D, HALF = 2, 16, 32, 3
-
-
-class BiScan(nn.Module):
-    """A bidirectional selective-scan stand-in: an input-gated running mean (``cumsum``) over
-    the tokens, and the same on ``torch.flip``-ped tokens, summed and gated by ``z``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(D, 2 * D)
-        self.decay = nn.Linear(D, D)
-        self.out = nn.Linear(D, D)
-
-    def scan(self, u: torch.Tensor) -> torch.Tensor:
-        a = torch.sigmoid(self.decay(u))
-        return torch.cumsum(a * u, dim=1) / torch.cumsum(a, dim=1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        u, z = self.inp(x).chunk(2, dim=-1)
-        backward = torch.flip(self.scan(torch.flip(u, dims=[1])), dims=[1])
-        return self.out((self.scan(u) + backward) * nn.functional.silu(z))
 
 
 class VimBlock(nn.Module):
