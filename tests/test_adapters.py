@@ -194,3 +194,26 @@ def test_random_draws_in_a_traced_forward_are_graph_calls_not_constants():
     model = tread_fx.route(Noisy(), routes=[(1, 3)], rate=0.0, seed=0).train()
     x = torch.zeros(2, N, D)
     assert not torch.equal(model(x), model(x))
+
+
+class _NumpyRoundTrip(torch.nn.Module):
+    """Code fx cannot record (a numpy round trip): the trace keeps it as one call."""
+
+    def forward(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        return x + torch.from_numpy(table.detach().numpy().copy())
+
+
+class _UntraceableBlock(_Block):
+    def __init__(self) -> None:
+        super().__init__()
+        self.opaque = _NumpyRoundTrip()
+
+
+def test_a_refusal_says_why_a_call_could_not_be_seen_into():
+    """The module a token-aligned value meets was made one call by the trace: the message
+    names what tracing it raised, so the user sees which code to change."""
+    model = _TableModel(shared=False)
+    model.blocks = torch.nn.ModuleList(_UntraceableBlock() for _ in range(4))
+    tread_fx.route(model, routes=[(1, 3)], seed=0).train()
+    with pytest.raises(SideInputError, match=r"(?s)opaque \(kept as one call: tracing it raised"):
+        model(*_inputs(False))

@@ -219,3 +219,22 @@ def test_autograd_state_of_a_traced_value_is_refused():
     model = tread_fx.route(GradAware(), [(1, -1)], 0.5)
     with pytest.raises(tread_fx.errors.UntraceableModelError, match="autograd state"):
         model.train()(_input(), torch.tensor([0.1, 0.9]))
+
+
+@pytest.mark.parametrize(
+    "ambient",
+    [lambda: torch.device("meta"), torch.inference_mode],
+    ids=["meta-device-context", "inference-mode"],
+)
+def test_a_kind_does_not_depend_on_the_callers_thread_state(ambient):
+    """The first question about a name caches its answer: asked under the caller's
+    ``torch.device("meta")`` context or inference mode, it is the answer asked anywhere."""
+    names = [("method", "__bool__"), ("method", "dim"), ("method", "is_contiguous")]
+    names += [("method", "item"), ("attribute", "is_leaf"), ("method", "element_size")]
+    api = torch_api.enumerate_api()
+    torch_api.probed.cache_clear()
+    with ambient():
+        asked_there = [torch_api.classify(api[k], k[1]) for k in names]
+    torch_api.probed.cache_clear()
+    assert asked_there == [torch_api.classify(api[k], k[1]) for k in names]
+    assert asked_there == ["data", "shape", "guarded", "data", "untraced", "metadata"]

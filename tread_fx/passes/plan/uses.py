@@ -61,6 +61,7 @@ from tread_fx.passes.plan.op_kinds import (
     selector_args,
 )
 from tread_fx.passes.trace.block import example_of, is_tensorish, trace_through
+from tread_fx.passes.trace.tracer import LEAF_REASON_KEY, MODEL_PREFIX
 
 __all__ = [
     "Use",
@@ -109,8 +110,14 @@ def _name(node: fx.Node) -> str:
 
 
 def _op_name(node: fx.Node) -> str:
-    """The op's name, a leaf module's path for messages."""
-    return str(node.target).removeprefix("model.") if node.op == "call_module" else _name(node)
+    """The op's name, a leaf module's path for messages (with why the trace kept it one call)."""
+    if node.op != "call_module":
+        return _name(node)
+    path = str(node.target).removeprefix(MODEL_PREFIX)
+    reason = node.meta.get(LEAF_REASON_KEY)
+    return (
+        path if reason is None else f"{path} (kept as one call: tracing it raised {reason[:300]})"
+    )
 
 
 @dataclass

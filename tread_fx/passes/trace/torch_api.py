@@ -29,6 +29,7 @@ Example:
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import inspect
 import itertools
@@ -205,6 +206,10 @@ def probed(fn: Callable, name: str) -> tuple[str, tuple | None, tuple | None]:
     """
     if name in REFUSED:
         return "data", None, None
+    return _in_fresh_thread(functools.partial(_probe_all, fn))
+
+
+def _probe_all(fn: Callable) -> tuple[str, tuple | None, tuple | None]:
     test = torch.overrides.get_testing_overrides()
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
@@ -213,6 +218,19 @@ def probed(fn: Callable, name: str) -> tuple[str, tuple | None, tuple | None]:
             if kind is not None:
                 return kind, shape, slots
     return "unprobed", None, None
+
+
+def _in_fresh_thread(work: Callable[[], Any]) -> Any:
+    """``work()`` run in tread_fx's probe thread: torch's thread-local state there is the
+    default (no ``torch.device`` context, inference mode, autocast or torch function mode of
+    the caller, none of the tracer's patches), so a cached probe answer never depends on where
+    it was first asked."""
+    return _probe_thread().submit(work).result()
+
+
+@functools.cache
+def _probe_thread() -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tread_fx-probe")
 
 
 def classify(fn: Callable, name: str) -> str:

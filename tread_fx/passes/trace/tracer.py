@@ -62,6 +62,8 @@ __all__ = [
     "trace_call",
     "trace_restoring_state",
     "MODEL_PREFIX",
+    "LEAF_REASON_KEY",
+    "mark_leaf_reasons",
     "ARG_MODULE_PREFIX",
     "fetch_attr",
 ]
@@ -213,7 +215,22 @@ def trace_call(
     drop_unused_sizes(graph)
     gm = fx.GraphModule(wrapper, graph, class_name=type(model).__name__ + "Traced")
     name_placeholders(gm.graph, (args, kwargs), wrapper.tensor_positions)
+    mark_leaf_reasons(gm.graph, auto_leaves)
     return TracedCall(gm, wrapper, in_spec, wrapper.tensor_positions, wrapper.out_spec, auto_leaves)
+
+
+#: ``node.meta`` key of a submodule call kept as one call by the tracer: why (for messages)
+LEAF_REASON_KEY = "tread_leaf_reason"
+
+
+def mark_leaf_reasons(graph: fx.Graph, auto_leaves: dict[str, str]) -> None:
+    """Note on each call of a submodule the trace made a leaf what its trace-through raised,
+    so a refusal naming the call can say why tread_fx cannot see into it."""
+    for node in graph.nodes:
+        if node.op == "call_module":
+            reason = auto_leaves.get(str(node.target).removeprefix(MODEL_PREFIX))
+            if reason is not None:
+                node.meta[LEAF_REASON_KEY] = reason
 
 
 def trace_restoring_state(
