@@ -10,16 +10,7 @@ import pytest
 
 from benchmarks.generated import check, draw, module_source
 
-# Findings the check made, for the lead to fix in tread_fx (strict: they flip when fixed):
-# two same-class lists in a row (equal width) are not chained; the longer list alone is
-# routed, at the chain's block indices, and the output differs from the twin.
-KNOWN_WRONG = {7: "two lists in a row not chained", 49: "two lists in a row not chained"}
-CI_SLICE = [
-    pytest.param(s, marks=pytest.mark.xfail(strict=True, reason=KNOWN_WRONG[s]))
-    if s in KNOWN_WRONG
-    else s
-    for s in range(0, 50)
-]
+CI_SLICE = range(0, 50)
 
 
 def test_sources_compile_and_names_are_random():

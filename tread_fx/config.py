@@ -28,6 +28,7 @@ from torch import nn
 from tread_fx.errors import BlockStackNotFoundError, TokenStreamError, shown
 from tread_fx.module_state import unwrap
 from tread_fx.passes.locate.choice import check_stream_option
+from tread_fx.passes.locate.members import stack_members
 from tread_fx.passes.locate.stacks import candidate_stacks, resolve_block_lists
 from tread_fx.passes.rewrite.insert import Reinsert
 from tread_fx.routes import Route, check_rate, parse_routes, resolve_routes
@@ -145,7 +146,7 @@ def _known_depth(model: nn.Module, blocks: Any, list_paths: list[str]) -> int | 
         if len(stacks) > 1:
             return None  # decided by data flow at trace time
         list_paths = list(stacks)
-    return sum(len(model.get_submodule(p)) for p in list_paths)
+    return sum(len(stack_members(model, p)) for p in list_paths)
 
 
 def options_of(arguments: Mapping[str, Any]) -> dict[str, Any]:

@@ -44,6 +44,7 @@ from torch import nn
 
 from tread_fx.errors import TokenStreamError, TreadFxError
 from tread_fx.passes.locate.dataflow import data_ancestors, fed_by, input_slots, tensor_meta
+from tread_fx.passes.locate.members import stack_members
 from tread_fx.passes.locate.positions import ALL as _ALL_SPAN
 from tread_fx.passes.locate.positions import Span, reaches_output, role_mask
 from tread_fx.passes.locate.stacks import block_calls, carrying_lists, main_input
@@ -379,10 +380,11 @@ def thin_stack(
 
 def _loose_blocks(model: nn.Module, carrying: list[str], list_paths: list[str]) -> list[str]:
     """Modules of a carrying list's block class outside every block list (U-ViT's mid block)."""
-    classes = {type(m) for p in carrying for m in model.get_submodule(p).children()}
-    inside = tuple(f"{p}." for p in list_paths)
+    classes = {type(m) for p in carrying for _, m in stack_members(model, p)}
+    members = {m for p in list_paths for m, _ in stack_members(model, p)}
+    inside = tuple(f"{m}." for m in members)
     return [
         path
         for path, module in model.named_modules()
-        if path and type(module) in classes and not path.startswith(inside)
+        if path and type(module) in classes and path not in members and not path.startswith(inside)
     ]

@@ -34,6 +34,7 @@ from tread_fx.routes import Route
 __all__ = [
     "stream_tokens",
     "ends_where_stream_changes",
+    "check_last_block_keeps_length",
     "check_one_stream_length",
     "crossing_prefix",
     "check_no_token_tables_inside",
@@ -74,6 +75,7 @@ def crossing_prefix(g: nx.DiGraph, info: StreamInfo, route: Route) -> int:
     start = info.blocks[route.start]
     last = info.blocks[route.end - 1]
     base = stream_tokens(start, info)
+    check_last_block_keeps_length(info, route)
     if stream_tokens(last, info) == base:
         check_one_stream_length(info, route)
         return 0
@@ -95,8 +97,29 @@ def crossing_prefix(g: nx.DiGraph, info: StreamInfo, route: Route) -> int:
     return extra
 
 
+def check_last_block_keeps_length(info: StreamInfo, route: Route) -> None:
+    """Refuse a route whose last block hands the stream on with another token count than it
+    takes (it merges or splits tokens itself): the routed-around tokens could not be written
+    back beside the kept ones. Inside a route the next block's input shows the change."""
+    last = info.blocks[route.end - 1]
+    before, after = tensor_shape(last.stream_in), tensor_shape(last.stream_out)
+    dim = info.layout.token_dim
+    if before is None or after is None or len(after) != len(before) or len(after) <= dim:
+        return
+    if after[dim] != before[dim]:
+        raise TokenStreamError(
+            f"route ({route.start}, {route.end}) ends after block {last.index} ({last.path}), "
+            f"which takes {before[dim]} tokens and hands on {after[dim]}\nthe block merges or "
+            "splits tokens itself, so the routed-around tokens cannot be written back beside "
+            f"the kept ones after it. End the route before block {last.index}, or route "
+            "blocks that keep the token count."
+        )
+
+
 def check_one_stream_length(info: StreamInfo, route: Route) -> None:
-    """Refuse a route whose blocks do not all see a stream of the same length."""
+    """Refuse a route whose blocks do not all see a stream of the same length (and one whose
+    last block changes it, :func:`check_last_block_keeps_length`)."""
+    check_last_block_keeps_length(info, route)
     start = info.blocks[route.start]
     for block in info.blocks[route.start + 1 : route.end]:
         if stream_tokens(block, info) != stream_tokens(start, info):

@@ -1,8 +1,11 @@
 """The block stack: which containers hold the blocks the token stream flows through.
 
-Candidates are ModuleList/Sequential containers of same-class modules (without any, mixed-class
-ModuleLists: hybrid stacks); a member that is itself a list of sub-blocks (``for attn, ff in
-self.layers``) is entered at its first sub-block. Among the containers whose members are called
+Candidates are ModuleList/Sequential containers of same-class modules, runs of same-class
+block attributes of one parent (``"{blk0,blk1}"``, :mod:`tread_fx.passes.locate.members`) and
+one-block containers of their class, which join the list beside them only where the stream
+flows from one to the other (without any, mixed-class ModuleLists: hybrid stacks); a member that
+is itself a list of sub-blocks (``for attn, ff in self.layers``) is entered at its first
+sub-block. Among the containers whose members are called
 once each, in order, the stack is the longest chain (a container whose first block depends on
 the previous one's last: Flux's joint then single blocks) that the model's main input (the one
 the prediction is shaped like) flows through, handing the stream most directly from block to
@@ -43,6 +46,13 @@ from tread_fx.passes.locate.dataflow import (
     tensor_meta,
 )
 from tread_fx.passes.locate.dims import channels_last
+from tread_fx.passes.locate.members import (
+    attribute_runs,
+    checked_run,
+    is_run,
+    member_path,
+    stack_members,
+)
 from tread_fx.passes.trace.tracer import MODEL_PREFIX, TensorMeta, TracedCall
 
 __all__ = [
@@ -58,20 +68,34 @@ __all__ = [
 ]
 
 
-def candidate_stacks(model: nn.Module) -> dict[str, nn.Module]:
-    """Return containers (ModuleList/Sequential) of >= 2 modules that all share one class.
+def candidate_stacks(model: nn.Module) -> dict[str, Any]:
+    """Return the candidate block containers by path: ModuleList/Sequential of >= 2 modules
+    that all share one class, runs of block attributes
+    (:func:`~tread_fx.passes.locate.members.attribute_runs`, ``"{blk0,blk1}"``), and
+    one-member containers whose member has the class of those (a list of one block before or
+    after a longer list of its class: data flow decides whether they chain).
 
     Without any, ModuleLists of >= 2 modules of different classes (hybrid stacks that
     interleave attention and scan layers, Jamba-style): data flow then decides whether their
     members hand the token stream on, and same-class stays the preference.
     """
-    found, mixed = {}, {}
+    found: dict[str, Any] = {}
+    single, mixed = {}, {}
     for path, module in model.named_modules():
-        is_container = isinstance(module, (nn.ModuleList, nn.Sequential))
-        if is_container and len(module) >= 2 and len({block_class(c) for c in module}) == 1:
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
+            continue
+        if len(module) >= 2 and len({block_class(c) for c in module}) == 1:
             found[path] = module
+        elif len(module) == 1:
+            single[path] = module
         elif isinstance(module, nn.ModuleList) and len(module) >= 2:
             mixed[path] = module
+    found |= attribute_runs(model, found, block_class)
+    classes = {block_class(m) for members in found.values() for m in members}
+    inside = tuple(f"{p}." for p in found)
+    for path, module in single.items():
+        if block_class(module[0]) in classes and not path.startswith(inside):
+            found[path] = module
     return found or mixed
 
 
@@ -105,6 +129,9 @@ def resolve_block_lists(
                 f"blocks= was given {item!r}, which is not a submodule of "
                 f"{type(model).__name__}; pass an attribute path such as 'blocks'."
             )
+        if is_run(path):
+            paths.append(checked_run(model, path))
+            continue
         try:
             container = model.get_submodule(path)
         except AttributeError:
@@ -133,8 +160,7 @@ def block_leaf_paths(model: nn.Module, list_paths: Iterable[str]) -> set[str]:
     it (``ModuleList([norms, block, residual])`` whose ``norms`` is a list again)."""
     paths = set()
     for p in list_paths:
-        for name, member in model.get_submodule(p).named_children():
-            path = f"{p}.{name}" if p else name
+        for path, member in stack_members(model, p):
             paths |= _sub_block_paths(member, path) if _is_nested_member(member) else {path}
     return paths
 
@@ -148,46 +174,61 @@ def _sub_block_paths(member: nn.Module, path: str) -> set[str]:
 
 
 def block_calls(traced: TracedCall, list_paths: list[str]) -> dict[str, list[fx.Node]]:
-    """Calls of each container's members, in order; for a member that is a list of
-    sub-blocks, its first sub-block call at any depth (the block boundary)."""
+    """Calls of each container's (or run's) members, in order; for a member that is a list
+    of sub-blocks, its first sub-block call at any depth (the block boundary)."""
+    model = traced.wrapper.model
     calls: dict[str, list[fx.Node]] = {p: [] for p in list_paths}
+    owner = {m: p for p in list_paths for m, _ in stack_members(model, p)}
     entered: set[str] = set()
     for node in traced.gm.graph.nodes:
         if node.op != "call_module":
             continue
         target = node.target[len(MODEL_PREFIX) :]
-        parent = target.rpartition(".")[0]
-        if parent in calls:
-            calls[parent].append(node)
+        if target in owner:
+            calls[owner[target]].append(node)
             continue
-        member = _nested_member_of(target, calls)
-        if member is None or not _is_nested_member(traced.wrapper.model.get_submodule(member)):
+        member = _nested_member_of(target, owner)
+        if member is None or not _is_nested_member(model.get_submodule(member)):
             continue  # a call into a plain block's submodule from outside it (DiT's norm1.emb)
         if member not in entered:
             entered.add(member)
-            calls[member.rpartition(".")[0]].append(node)
+            calls[owner[member]].append(node)
     return calls
 
 
-def _nested_member_of(target: str, lists: dict) -> str | None:
-    """The member ``<list>.<i>`` of the innermost listed container that ``target`` lies in,
-    below the member itself; ``None`` when it lies in none."""
+def _nested_member_of(target: str, owner: dict[str, str]) -> str | None:
+    """The innermost member (a key of ``owner``) that ``target`` lies in, below the member
+    itself; ``None`` when it lies in none."""
     parts = target.split(".")
     for cut in range(len(parts) - 1, 0, -1):
-        if ".".join(parts[: cut - 1]) in lists:
-            return ".".join(parts[:cut])
+        if (member := ".".join(parts[:cut])) in owner:
+            return member
     return None
 
 
 def _valid_sequence(model: nn.Module, path: str, nodes: list[fx.Node]) -> bool:
     """Members called once each, in order, each on what the one before computed: parallel
-    calls on one input (patch embedders at several scales, per-branch heads) are no stack."""
-    names = [n for n, _ in model.get_submodule(path).named_children()]
-    start = len(MODEL_PREFIX) + (len(path) + 1 if path else 0)
-    called = [n.target[start:].split(".")[0] for n in nodes]  # member i (of a nested one too)
-    if called != names:
+    calls on one input (patch embedders at several scales, per-branch heads) are no stack.
+    A run's members may be called in any order (data flow orders them), each once, all
+    handing on in one argument slot (a same-class text block feeding the first block's
+    context is no part of it)."""
+    members = [m for m, _ in stack_members(model, path)]
+    called = [member_path(n.target[len(MODEL_PREFIX) :], path) for n in nodes]
+    run = is_run(path)
+    if (sorted(called) if run else called) != (sorted(members) if run else members):
         return False
-    return all(a in data_ancestors(b, {a}) for a, b in zip(nodes, nodes[1:]))
+    if len(set(called)) != len(called):
+        return False
+    if not all(a in data_ancestors(b, {a}) for a, b in zip(nodes, nodes[1:])):
+        return False
+    return not run or bool(_common_handed_slots(nodes))
+
+
+def _common_handed_slots(nodes: list[fx.Node]) -> set[tuple]:
+    """The argument slots in which every call receives a value the call before computed."""
+    pairs = zip(nodes, nodes[1:])
+    slots = [{k for k, v in input_slots(b).items() if fed_by(v, a)} for a, b in pairs]
+    return set.intersection(*slots) if slots else set()
 
 
 def _shape_distance(a: object, b: object) -> int | None:
@@ -265,12 +306,33 @@ def _chains(
             last = calls[chain[-1]][-1]
             first = calls[path][0]
             joined = order[first] > order[last] and last in data_ancestors(first, set())
-            if joined and _same_form(chain[-1], path, calls):
+            joined = joined and _same_form(chain[-1], path, calls)
+            if joined and (primary is None or _hands_to(chain[-1], path, calls)):
                 chain.append(path)
                 break
         else:
             chains.append([path])
     return chains
+
+
+def _hands_to(before: str, after: str, calls: dict[str, list[fx.Node]]) -> bool:
+    """Whether a one-block list joins the list beside it: only a block of the same class
+    that the stream flows through, from the one to the other, in the argument slot the longer
+    list hands from block to block (a same-class block whose output the next list only reads
+    as context is no part of the stack). Lists of >= 2 blocks join as before."""
+    a, b = calls[before], calls[after]
+    if len(a) > 1 and len(b) > 1:
+        return True
+    if _node_class(a[-1]) is not _node_class(b[0]):
+        return False
+    lead = b if len(b) > 1 else a if len(a) > 1 else None
+    slots = input_slots(b[0])
+    keys = _handed_slots(lead)[1] if lead is not None else list(slots)
+    return any(k in slots and fed_by(slots[k], a[-1]) for k in keys)
+
+
+def _node_class(node: fx.Node) -> type:
+    return block_class(node.graph.owning_module.get_submodule(node.target))
 
 
 def _same_form(before: str, after: str, calls: dict[str, list[fx.Node]]) -> bool:
@@ -329,6 +391,9 @@ def choose_stack(
                 "of the main stack, in call order."
             )
         return chains[0]
+    # a one-block list is a stack only joined to another list (one-member containers are
+    # candidates for that); alone it is some other module
+    chains = [c for c in chains if sum(len(calls[p]) for p in c) > 1]
     if not chains:
         raise BlockStackNotFoundError(
             f"no block stack found in {type(model).__name__}: no ModuleList/Sequential of "
@@ -411,7 +476,7 @@ def refuse_hierarchical_stages(model: nn.Module, blocks: list[Any]) -> None:
     """Refuse a stack of hierarchical stages (members that hold block lists of their own and
     hand on a stream of another shape than they take: patch merging between stages); the
     error names a stage's list. ``blocks`` are the located ``BlockCall``s."""
-    members = [b for b in blocks if b.path.rpartition(".")[0] == b.list_path]  # not nested
+    members = [b for b in blocks if b.path == member_path(b.path, b.list_path)]  # not nested
     for block in members:
         before, after = tensor_meta(block.stream_in), tensor_meta(block.stream_out)
         if before is None or after is None or before.shape[:-1] == after.shape[:-1]:

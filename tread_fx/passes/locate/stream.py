@@ -30,6 +30,7 @@ from tread_fx.passes.locate.dataflow import (
     tensor_shape,
 )
 from tread_fx.passes.locate.dims import joint_parts, stream_dims
+from tread_fx.passes.locate.members import member_path
 from tread_fx.passes.locate.stacks import (
     block_calls,
     block_class,
@@ -193,9 +194,7 @@ def _stream_after_last(blocks: list[BlockCall]) -> fx.Node:
 
 def _member_of(block: BlockCall) -> str:
     """``model.<list>.<i>.``: the prefix of every module path inside the block's member."""
-    index = block.path[len(block.list_path) :].lstrip(".").split(".")[0]
-    prefix = f"{block.list_path}.{index}." if block.list_path else f"{index}."
-    return MODEL_PREFIX + prefix
+    return f"{MODEL_PREFIX}{member_path(block.path, block.list_path)}."
 
 
 def _tensor_slots(node: fx.Node) -> dict[SlotKey, fx.Node]:
@@ -296,9 +295,14 @@ def _assign_stream_slots(blocks: list[BlockCall], primary: fx.Node, block_nodes:
         prev = blocks[i - 1] if i else None
         following = blocks[i + 1] if i + 1 < len(blocks) else None
         if following is not None and following.list_path != block.list_path:
-            following = None  # only a block of the same list is handed the stream on
+            # only a block of the same list is handed the stream on; a one-block list hands
+            # it to the next list's block of its class like to its own next member
+            lead = following if same_block_class(block, following) else None
+            following = None
+        else:
+            lead = following
         if prev is None:
-            block.in_slot = _first_stream_slot(block, primary, block_nodes, following)
+            block.in_slot = _first_stream_slot(block, primary, block_nodes, lead)
         elif prev.list_path == block.list_path:
             block.in_slot = prev.in_slot
         else:
@@ -332,7 +336,7 @@ def _assign_stream_slots(blocks: list[BlockCall], primary: fx.Node, block_nodes:
         if following is None and _returns_like(block, prev, outs):
             block.out_slot = prev.out_slot  # the last block is called like the ones before it
         else:  # (members of several kinds: attention returns a tuple, a feed-forward a tensor)
-            block.out_slot = _out_slot(block, following, block_nodes)
+            block.out_slot = _out_slot(block, lead, block_nodes)
         block.stream_out = block.node if block.out_slot is None else outs[block.out_slot]
 
 
@@ -358,7 +362,7 @@ def _handed_into_member(
     member before computed (not searching past ``block_nodes``). A route starting there
     gathers it (the skip by its use); one ending there scatters it, the code running after.
     """
-    nested = block.path.rpartition(".")[0] != block.list_path  # below its member <list>.<i>
+    nested = block.path != member_path(block.path, block.list_path)  # below <list>.<i>
     if prev is None or prev.list_path != block.list_path or not nested:
         return value
     want = tensor_shape(prev.stream_in)
@@ -379,8 +383,9 @@ def _handed_into_member(
 
 
 def _returns_like(block: BlockCall, prev: BlockCall | None, outs: dict) -> bool:
-    """Whether ``block`` returns the stream where ``prev`` of the same list does."""
-    if prev is None or prev.list_path != block.list_path:
+    """Whether ``block`` returns the stream where ``prev`` of the same list (or of the same
+    class: a one-block list after a list of its class) does."""
+    if prev is None or (prev.list_path != block.list_path and not same_block_class(prev, block)):
         return False
     if prev.out_slot is None:
         return isinstance(block.node.meta.get("tread_meta"), TensorMeta)
