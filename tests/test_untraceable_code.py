@@ -14,6 +14,8 @@ import torch.utils.dlpack as dlpack
 from torch import nn
 
 import tread_fx
+import tread_fx.passes.trace.tracer as tracer_module
+from tread_fx.errors import UntraceableModelError
 from tread_fx.passes.trace.opaque import FunctionApply
 from tread_fx.passes.trace.tracer import trace_call
 
@@ -124,3 +126,30 @@ def test_a_custom_function_is_one_node():
     traced = trace_call(model, (torch.randn(B, N, 8),), {}, {f"blocks.{i}" for i in range(4)})
     targets = [n.target for n in traced.gm.graph.nodes if n.op == "call_function"]
     assert FunctionApply.of(Scale) in targets
+
+
+class InstanceForward(nn.Module):
+    """Its class has no ``forward``; the instance has one (``torch.compile``'s wrapper of a
+    module is built so): the class's call fails in the tracer's own generated ``forward``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.forward = self.lin
+
+
+def test_a_failure_in_the_tracers_own_code_is_refused_without_retrying(monkeypatch):
+    """Before: the generated ``forward`` (a new function on every retry) was taken for a
+    helper of the model's to make a leaf function, and the trace retried without end."""
+    traces = []
+    original = tracer_module.trace_restoring_state
+
+    def counted(*args):
+        traces.append(1)
+        if len(traces) > 3:
+            pytest.fail("the trace retries without progress")
+        return original(*args)
+
+    monkeypatch.setattr(tracer_module, "trace_restoring_state", counted)
+    with pytest.raises(UntraceableModelError):
+        trace_call(InstanceForward(), (torch.randn(B, N, D),), {}, set())

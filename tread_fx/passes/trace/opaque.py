@@ -180,17 +180,29 @@ def functions_as_calls(tracer: Any, functions: set[type]) -> Iterator[None]:
 def enclosing_function(err: BaseException) -> Callable | None:
     """The smallest module-level function around the failure ``err`` records: walking out
     from the innermost frame outside torch, the standard library and tread_fx, the first one
-    that is a module-level function (its module's global of its name), or ``None`` when a
-    method of a module (a ``forward``) comes first."""
+    that is a module-level function (:func:`_module_function`), or ``None`` when a method of
+    a module (a ``forward``) comes first."""
     frames = [frame for frame, _ in traceback.walk_tb(err.__traceback__)]
     for frame in reversed(frames):
         path = os.path.abspath(frame.f_code.co_filename)
         if path.startswith(_NEUTRAL) or own_file(path):
             continue
-        fn = frame.f_globals.get(frame.f_code.co_name)
-        if getattr(fn, "__code__", None) is frame.f_code:
+        fn = _module_function(frame)
+        if fn is not None:
             return fn
         names = frame.f_code.co_varnames[: frame.f_code.co_argcount]
         if names and isinstance(frame.f_locals.get(names[0]), nn.Module):
             return None
     return None
+
+
+def _module_function(frame: types.FrameType) -> Callable | None:
+    """The function ``frame`` runs if it is a global of its name in an imported module (the
+    only functions fx can make leaves: it patches module globals), else ``None``. Code
+    ``exec``'d into a bare namespace (the tracer's own generated ``forward``, made anew on
+    every retry) is no module's: taking it would retry without end."""
+    module = sys.modules.get(frame.f_globals.get("__name__", ""))
+    if module is None or vars(module) is not frame.f_globals:
+        return None
+    fn = frame.f_globals.get(frame.f_code.co_name)
+    return fn if getattr(fn, "__code__", None) is frame.f_code else None

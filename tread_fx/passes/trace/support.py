@@ -124,10 +124,10 @@ class _FactoryMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: D105
         kwargs = kwargs or {}
-        leaves = pytree.tree_leaves((args, kwargs))
-        mine = any(isinstance(a, fx.Proxy) and a.tracer is self.tracer for a in leaves)
-        if func in _MODE_FACTORIES and mine and not self.tracer.running_eager:
-            return self.tracer.create_proxy("call_function", func, args, kwargs)
+        if func in _MODE_FACTORIES and not self.tracer.running_eager:  # cheap tests first
+            leaves = pytree.tree_leaves((args, kwargs))  # every torch call passes here
+            if any(isinstance(a, fx.Proxy) and a.tracer is self.tracer for a in leaves):
+                return self.tracer.create_proxy("call_function", func, args, kwargs)
         return func(*args, **kwargs)
 
 
