@@ -3,9 +3,11 @@
 raise (:class:`DataDependentError`, at :func:`user_frame`), and the messages of a refused trace.
 
 Every patch goes through :func:`tread_fx.passes.trace.thread_patch.thread_local_patch`, so only the
-tracing thread sees it (a new tracing patch must use it too). Code compiled with
-``torch.compile`` (by any path) runs its original Python; ``torch.is_tensor``, ``isinstance`` and
-``callable`` in the model's own code answer by the value a traced value stands for.
+tracing thread sees it (a new tracing patch must use it too); state torch keeps per thread
+(grad mode, dynamo's config) is set, not patched, so its functions keep their identity. Code
+compiled with ``torch.compile`` (by any path) runs its original Python; ``torch.is_tensor``,
+``isinstance`` and ``callable`` in the model's own code answer by the value a traced value
+stands for.
 
 Example:
     >>> has_call_hooks(nn.Linear(2, 2))
@@ -35,6 +37,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from tread_fx.errors import UntraceableModelError
@@ -48,7 +51,6 @@ __all__ = [
     "checkpoint_as_plain_call",
     "python_modules",
     "call_python_modules",
-    "report_grad_mode",
     "factories_take_proxies",
     "has_call_hooks",
     "name_placeholders",
@@ -68,15 +70,19 @@ _SIZE_METHODS = ("expand", "view", "reshape", "repeat", "tile", "new_zeros", "ne
 _CHECKPOINT_OPTIONS = (
     "use_reentrant", "preserve_rng_state", "determinism_check", "debug", "context_fn"
 )  # fmt: skip
-_FACTORIES = (
-    "ones", "zeros", "empty", "full", "rand", "randn", "randint", "arange", "tensor", "as_tensor"
-)  # fmt: skip
+# torch's argument parser reads these sizes (rejects a traced first size, or calls its
+# ``__index__``) before a TorchFunctionMode sees the call: only a patch of the name records them
+_FACTORIES = ("ones", "zeros", "empty", "full", "rand", "randn", "randint")
+# these reach a TorchFunctionMode with their traced arguments unread: the mode records them
+_MODE_FACTORIES = (torch.arange, torch.tensor, torch.as_tensor)
 
 
 def factories_take_proxies(tracer: Any) -> AbstractContextManager:
     """Record ``torch.ones(b, n)`` and ``t.expand(b, -1)`` with traced sizes as graph calls
     (torch's argument parser rejects proxies as varargs sizes before ``__torch_function__``
-    sees them), and random factories always, so a draw is never baked in as a constant."""
+    sees them), and random factories always, so a draw is never baked in as a constant.
+    ``torch.arange``, ``torch.tensor`` and ``torch.as_tensor`` are recorded by a
+    ``TorchFunctionMode`` of the tracing thread instead: other threads see them unchanged."""
     random_factories = {"rand", "randn", "randint"}  # never baked in as constants
 
     def wrap(name: str, method: bool):
@@ -96,20 +102,33 @@ def factories_take_proxies(tracer: Any) -> AbstractContextManager:
 
     functions = [(torch, name, wrap(name, method=False)) for name in _FACTORIES]
     methods = [(torch.Tensor, name, wrap(name, method=True)) for name in _SIZE_METHODS]
-    return thread_local_patches(functions + methods)
+    return _together(thread_local_patches(functions + methods), _FactoryMode(tracer))
 
 
-def report_grad_mode(tracer: Any, enabled: bool) -> AbstractContextManager:
-    """Let traced code (run without grad) see the caller's grad mode (a forward may checkpoint
-    only under ``torch.is_grad_enabled()``); eager code (leaves, torch internals) sees the truth."""
+@contextlib.contextmanager
+def _together(*managers: AbstractContextManager) -> Iterator[None]:
+    """Enter ``managers`` in order (a mode is per thread: entering it replaces nothing)."""
+    with contextlib.ExitStack() as stack:
+        for manager in managers:
+            stack.enter_context(manager)
+        yield
 
-    def make(original):
-        def reported() -> bool:
-            return original() if tracer.running_eager else enabled
 
-        return reported
+class _FactoryMode(TorchFunctionMode):
+    """Record ``torch.arange(n)``, ``torch.tensor([n, 1])`` of traced values (``n`` from a
+    shape) as graph calls; every other call, and eager code's, runs as it is."""
 
-    return thread_local_patch(torch, "is_grad_enabled", make)
+    def __init__(self, tracer: Any) -> None:
+        super().__init__()
+        self.tracer = tracer
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: D105
+        kwargs = kwargs or {}
+        if func in _MODE_FACTORIES and not self.tracer.running_eager:  # cheap tests first
+            leaves = pytree.tree_leaves((args, kwargs))  # every torch call passes here
+            if any(isinstance(a, fx.Proxy) and a.tracer is self.tracer for a in leaves):
+                return self.tracer.create_proxy("call_function", func, args, kwargs)
+        return func(*args, **kwargs)
 
 
 def name_placeholders(graph: fx.Graph, call: tuple, positions: tuple[int, ...]) -> None:

@@ -1,6 +1,8 @@
 """Patches that only the tracing thread sees.
 
-The tracer replaces process-wide names while it runs (``torch.ones``, ``random.random``,
+What torch keeps per thread (grad mode, a ``TorchFunctionMode``, dynamo's config) is set
+instead, and keeps every function's identity. Where nothing per thread serves, the tracer
+replaces process-wide names while it runs (``torch.ones``, ``random.random``,
 ``nn.Module.__call__`` ...) only through :func:`thread_local_patch`: the name gets a
 *dispatcher* (reference-counted, removed when the last patch of that name ends) that calls the
 replacement in a thread that entered the patch and the original elsewhere, so a data-loading

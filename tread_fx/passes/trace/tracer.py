@@ -37,6 +37,12 @@ from tread_fx.passes.trace.mutation import (
     side_effects,
     thread_inplace,
 )
+from tread_fx.passes.trace.opaque import (
+    LeavesTorchError,
+    OpaqueFunctionError,
+    enclosing_function,
+    functions_as_calls,
+)
 from tread_fx.passes.trace.support import (
     DataDependentError,
     call_python_modules,
@@ -45,7 +51,6 @@ from tread_fx.passes.trace.support import (
     factories_take_proxies,
     name_placeholders,
     refuse_python_random,
-    report_grad_mode,
     side_effect_error,
     traceback_location,
     traced_values_are_tensors,
@@ -140,6 +145,20 @@ def _new_leaf(path: str | None, auto_leaves: dict[str, str]) -> str | None:
     return None if leaf in auto_leaves else leaf
 
 
+def _add_enclosing(err: BaseException, auto_functions: list) -> bool:
+    """Make the smallest module-level function around a failure that no submodule leaf can
+    get past a leaf function (:func:`.opaque.enclosing_function`); whether it is a new one.
+    Only for code the tracer cannot follow: a value leaving torch, or an error not raised on
+    purpose by the tracer (a data read or Python random numbers keep their refusal)."""
+    if isinstance(err, DataDependentError) and not isinstance(err, LeavesTorchError):
+        return False
+    fn = enclosing_function(err)
+    if fn is None or fn in auto_functions:
+        return False
+    auto_functions.append(fn)
+    return True
+
+
 def trace_call(
     model: nn.Module, args: tuple, kwargs: dict, leaf_paths: set[str], through_hooks: bool = False
 ) -> TracedCall:
@@ -167,6 +186,7 @@ def trace_call(
     flat, in_spec = pytree.tree_flatten((args, kwargs))
     auto_leaves: dict[str, str] = {}
     auto_functions: list = []
+    opaque: set[type] = set()  # custom autograd Functions called as one node
     # a class defined in a notebook, a REPL or ``python -c`` lives in a module with no file
     # the model's classes and those of modules handed in as arguments (a rotary module)
     code_modules = call_python_modules(model, flat)
@@ -179,7 +199,7 @@ def trace_call(
         wrapper = wrapper_cls(model, in_spec, flat)
         example = {f"t{i}": t.detach().clone() for i, t in enumerate(tensors)}
         paths = {MODEL_PREFIX + p for p in leaf_paths | set(auto_leaves)}
-        tracer = ValueTracer(paths, example, auto_functions, through_hooks)
+        tracer = ValueTracer(paths, example, auto_functions, through_hooks, frozenset(opaque))
         # registered leaf functions called from the model's own forward (called directly,
         # not through Module.__call__, so fx would not look in its globals by itself)
         tracer._autowrap_search.extend(code_modules)
@@ -196,8 +216,15 @@ def trace_call(
             with contextlib.suppress(AttributeError):  # the model's own: never "internal"
                 failure.original.tread_model_error = True
             raise failure.original from None
+        except OpaqueFunctionError as err:
+            if err.function in opaque:  # called as one node already: no progress
+                stuck = DataDependentError(str(err), None, err.where)
+                raise untraceable_error(model, stuck) from None
+            opaque.add(err.function)
         except DataDependentError as err:
             leaf = _new_leaf(err.module_path, auto_leaves)
+            if leaf is None and _add_enclosing(err, auto_functions):
+                continue  # ``t.numpy()`` in a helper function of the model's code: a leaf
             if leaf is None:
                 raise untraceable_error(model, err) from None
             auto_leaves[leaf] = f"{err.what} at {err.where}"
@@ -207,6 +234,8 @@ def trace_call(
                 auto_functions.append(library_fn)  # e.g. einops: called on real values
                 continue
             leaf = _new_leaf(getattr(err, "tread_module_path", None), auto_leaves)
+            if leaf is None and _add_enclosing(err, auto_functions):
+                continue  # C code that rejects a traced value, in a helper function
             if leaf is None:  # no submodule of the model left to make a leaf: no progress
                 where = traceback_location(err)
                 raise untraceable_error(model, DataDependentError(str(err), None, where)) from None
@@ -236,24 +265,23 @@ def mark_leaf_reasons(graph: fx.Graph, auto_leaves: dict[str, str]) -> None:
 def trace_restoring_state(
     tracer: fx.Tracer, wrapper: nn.Module, model: nn.Module, tensors: list[torch.Tensor]
 ) -> fx.Graph:
-    """``tracer.trace(wrapper)`` under no_grad and the patches of :mod:`.support` (seen by this
-    thread only), leaving RNG state and ``model``'s buffers (BatchNorm statistics) as they
-    were; ``TRACING_LOCK`` lets one thread trace at a time."""
+    """``tracer.trace(wrapper)`` under the patches of :mod:`.support` (seen by this thread
+    only), leaving RNG state and ``model``'s buffers (BatchNorm statistics) as they were;
+    ``TRACING_LOCK`` lets one thread trace at a time. Traced code sees the caller's grad mode
+    (thread-local, so nothing is patched for it); the tracer computes values without grad."""
     devices = sorted({t.device.index for t in tensors if t.device.type == "cuda"})
-    grad_mode = torch.is_grad_enabled()
     with TRACING_LOCK:
         buffers = [(b, b.detach().clone()) for b in model.buffers()]
         try:
             with (
                 torch.random.fork_rng(devices=devices),
-                torch.no_grad(),
                 fx_patches_in_this_thread(),
-                report_grad_mode(tracer, grad_mode),
                 factories_take_proxies(tracer),
                 refuse_python_random(tracer),
                 checkpoint_as_plain_call(tracer, model),
                 dynamo_wrappers_call_through(),
                 traced_values_are_tensors(tracer, model),
+                functions_as_calls(tracer, getattr(tracer, "opaque_functions", frozenset())),
             ):
                 return tracer.trace(wrapper)
         finally:

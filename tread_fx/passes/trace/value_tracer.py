@@ -25,6 +25,11 @@ from torch.utils import _pytree as pytree
 from tread_fx.adapters.values import TensorMeta
 from tread_fx.passes.trace.concats import record_leaf_concatenation
 from tread_fx.passes.trace.mutation import functional_setitem, is_inplace_method
+from tread_fx.passes.trace.opaque import (
+    LeavesTorchError,
+    function_forward_in_stack,
+    function_forwards,
+)
 from tread_fx.passes.trace.support import (
     DataDependentError,
     has_call_hooks,
@@ -155,7 +160,12 @@ class ValueTracer(fx.Tracer):
     """An fx tracer whose proxies carry the eager values (see module docstring)."""
 
     def __init__(
-        self, leaf_paths: set[str], example: dict[str, Any], functions=(), through_hooks=False
+        self,
+        leaf_paths: set[str],
+        example: dict[str, Any],
+        functions=(),
+        through_hooks=False,
+        opaque_functions: frozenset[type] = frozenset(),
     ) -> None:
         leaves = (*leaf_functions(), *functions)
         super().__init__(autowrap_functions=leaves, param_shapes_constant=False)
@@ -172,6 +182,9 @@ class ValueTracer(fx.Tracer):
         self.checkpointed: set[int] = set()
         self.example_classes: set[tuple] = set()
         self.through_hooks = through_hooks
+        # custom autograd Functions whose ``apply`` is one node (:mod:`.opaque`)
+        self.opaque_functions = opaque_functions
+        self.function_forwards = function_forwards()
 
     # -- values -----------------------------------------------------------------------------
     def proxy(self, node: fx.Node) -> fx.Proxy:
@@ -225,20 +238,24 @@ class ValueTracer(fx.Tracer):
         args, kwargs = self._values(args), self._values(kwargs)
         self.running_eager += 1
         try:
-            if kind == "call_function":
-                return target(*args, **kwargs)
-            if kind == "call_method":
-                return getattr(args[0], target)(*args[1:], **kwargs)
-            if kind == "call_module":
-                return _orig_module_call(self.root.get_submodule(target), *args, **kwargs)
-            if kind == "get_attr":
-                return fetch_attr(self.root, target)
+            with torch.no_grad():  # traced code sees the caller's (thread-local) grad mode
+                return self._run_eager(kind, target, args, kwargs)
         except DataDependentError:
             raise
         except Exception as err:  # the model's own code failed on real values
             raise EagerFailure(err) from err
         finally:
             self.running_eager -= 1
+
+    def _run_eager(self, kind: str, target: Any, args: tuple, kwargs: dict) -> Any:
+        if kind == "call_function":
+            return target(*args, **kwargs)
+        if kind == "call_method":
+            return getattr(args[0], target)(*args[1:], **kwargs)
+        if kind == "call_module":
+            return _orig_module_call(self.root.get_submodule(target), *args, **kwargs)
+        if kind == "get_attr":
+            return fetch_attr(self.root, target)
         raise AssertionError(f"unexpected node kind {kind}")
 
     def api_kind(self, access: str, target: Any) -> str:
@@ -266,8 +283,14 @@ class ValueTracer(fx.Tracer):
         return any(isinstance(self.value_of(p), torch.Tensor) for p in proxies)
 
     def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, **extra):
+        if kind == "call_method" and target == "numpy":  # the value leaves torch
+            raise LeavesTorchError.at("Tensor.numpy()", self)
         if kind == "call_method" and target in _DATA_METHODS:
             raise DataDependentError.at(f"Tensor.{target}()", self)
+        if kind != "placeholder" and not self.running_eager:
+            inside = function_forward_in_stack(self.function_forwards)
+            if inside is not None:  # a custom autograd Function: its apply becomes one node
+                raise inside
         if kind == "placeholder":
             value = self.example[target]
         else:
@@ -388,14 +411,17 @@ class ValueTracer(fx.Tracer):
         traced: list[Any] = []
         own = m.__dict__.get("forward")
         original = m.forward
+        grad_mode = torch.is_grad_enabled()
 
         def forward_traced(*_values: Any, **_kw: Any) -> Any:
-            traced.append(original(*args, **kwargs))
+            with torch.set_grad_enabled(grad_mode):  # the hooks ran without, the trace sees it
+                traced.append(original(*args, **kwargs))
             return self._values(traced[-1])
 
         m.forward = forward_traced
         try:
-            _orig_module_call(m, *self._values(args), **self._values(kwargs))
+            with torch.no_grad():
+                _orig_module_call(m, *self._values(args), **self._values(kwargs))
         finally:
             del m.forward  # back to the class's forward, or the instance's own
             if own is not None:
