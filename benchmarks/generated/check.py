@@ -38,7 +38,7 @@ import torch
 import tread_fx
 from benchmarks.coverage_checks import randomize_zero_init
 from benchmarks.generated.grammar import draw
-from benchmarks.generated.source import company_ids, module_source
+from benchmarks.generated.source import module_source, protected_ids
 
 __all__ = ["OUTCOMES", "Result", "check", "load_module", "perturbed"]
 
@@ -157,7 +157,7 @@ def _setup(module: types.ModuleType):
 def _self_test(module, twin_model, args, kwargs, reference: torch.Tensor) -> None:
     """The twin keeping every token is the unrouted forward (the generator's own check)."""
     d = draw(module.SEED)
-    count = d.num_patches + d.num_company
+    count = d.stream_tokens
     every = torch.arange(count).expand(reference.shape[0], -1)
     with torch.no_grad():
         full = module.twin(twin_model, args, kwargs, every, checks=False)
@@ -184,7 +184,7 @@ def _differential(module, seed: int, perturb_kept: bool) -> None:
         raise _Wrong(f"must-refuse model routed without error ({module.REASON})")
     kept = infos[0].kept
     if perturb_kept:
-        kept = perturbed(kept, company_ids(draw(seed)), infos[0].num_tokens)
+        kept = perturbed(kept, protected_ids(draw(seed)), infos[0].num_tokens)
     weight = torch.randn(routed.shape, generator=torch.Generator().manual_seed(seed))
     (routed * weight).sum().backward()
     expected = _run_twin(module, twin_model, args, kwargs, kept, weight)

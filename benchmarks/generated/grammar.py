@@ -20,6 +20,8 @@ import keyword
 import random
 from dataclasses import dataclass, field
 
+from benchmarks.generated.grammar_more import MORE_ROLES, draw_more, more_features
+
 __all__ = ["Company", "Draw", "Names", "draw", "BATCH"]
 
 BATCH = 2
@@ -108,6 +110,20 @@ class Draw:
         end: Route end block (``depth`` re-enters after the last block).
         rate: Route rate.
         names: Identifiers for every class, attribute and argument, by role.
+
+    The second round's fields (:mod:`~benchmarks.generated.grammar_more`, defaults: absent):
+    ``input_kind`` may also be ``video_conv``/``video_linear`` (``grid`` is ``(F, h, w)``);
+    ``wrap`` is how blocks are called (``plain``, ``checkpoint``, ``checkpoint_train``,
+    ``partial``, ``partial_checkpoint``); ``ret`` may also be ``list`` or ``tuple3``;
+    ``hook`` (``scale``/``record``) is registered on the blocks ``hooked``; ``ints`` are int
+    block arguments (``count``: the stream's length, ``grid``/``grid_tuple``: the patch grid,
+    ``coincident``: a feature size equal to the token count); ``predicates`` are Python
+    checks in the model's code; ``einops_heads``/``einops_repeat`` use einops in the block /
+    for the company; ``text`` is a text stream joined as ``prefix``/``suffix`` or passed as
+    ``context`` (``text_tokens`` of ``text_width``, padding ``text_mask`` of
+    ``text_mask_kind`` with ``text_masked`` trailing tokens); ``refuse`` may also be
+    ``fold`` (tokens folded into the batch before block ``change_at``) or ``latents`` (the
+    blocks run on ``latent_tokens`` learned latents, the patches as their context).
     """
 
     seed: int
@@ -141,6 +157,20 @@ class Draw:
     end: int
     rate: float
     names: dict[str, str] = field(default_factory=dict)
+    wrap: str = "plain"
+    hook: str | None = None
+    hooked: tuple[int, ...] = ()
+    ints: list[str] = field(default_factory=list)
+    predicates: list[str] = field(default_factory=list)
+    einops_heads: bool = False
+    einops_repeat: bool = False
+    text: str | None = None
+    text_tokens: int = 0
+    text_width: int = 0
+    text_mask: bool = False
+    text_mask_kind: str | None = None
+    text_masked: tuple[int, ...] = ()
+    latent_tokens: int = 0
 
     @property
     def num_patches(self) -> int:
@@ -154,6 +184,25 @@ class Draw:
     def num_company(self) -> int:
         """Company tokens."""
         return sum(part.count for part in self.company)
+
+    @property
+    def joined_text(self) -> int:
+        """Text tokens joined into the stream (0 when none, or kept beside it)."""
+        return self.text_tokens if self.text in ("prefix", "suffix") else 0
+
+    @property
+    def stream_tokens(self) -> int:
+        """Tokens of the stream the blocks see (patches, company and joined text)."""
+        if self.refuse == "latents":
+            return self.latent_tokens
+        return self.num_patches + self.num_company + self.joined_text
+
+    @property
+    def stream_mask(self) -> str | None:
+        """The kind of the self-attention key mask over the stream (patch or text part)."""
+        if self.mask:
+            return self.mask
+        return self.text_mask_kind if (self.text_mask and self.joined_text) else None
 
     @property
     def routable(self) -> bool:
@@ -181,6 +230,7 @@ class Draw:
             out.append(f"mask={self.mask}")
         if self.refuse:
             out.append(f"refuse={self.refuse}")
+        out += more_features(self)
         out.append(f"rate={self.rate}")
         out.append("route_end=depth" if self.end == self.depth else "route_end=inner")
         return out
@@ -254,14 +304,27 @@ def draw(seed: int) -> Draw:
     )  # fmt: skip
     if rng.random() < 0.2:
         _refusal(rng, d)
+    draw_more(d)
     d.masked = _masked(rng, d.num_patches, d.rate) if d.mask else ()
-    sides = (["cond"] if d.adaln else []) + (["rope"] if d.rope else [])
-    sides += ["mask"] if d.mask else []
-    rng.shuffle(sides)
-    d.side_order = sides
+    d.side_order = _sides(rng, d)
     d.names = {role: names.fresh() for role in _ROLES}
     d.names.update({role: names.cls() for role in ("model", "block")})
+    d.names.update({role: names.fresh() for role in MORE_ROLES})
     return d
+
+
+def _sides(rng: random.Random, d: Draw) -> list[str]:
+    """The block arguments after the stream, shuffled."""
+    sides = (["cond"] if d.adaln else []) + (["rope"] if d.rope else [])
+    sides += ["mask"] if d.stream_mask else []
+    sides += ["ctx"] if d.text == "context" or d.refuse == "latents" else []
+    sides += ["ctx_mask"] if d.text == "context" and d.text_mask else []
+    for kind in d.ints:
+        sides += {"count": ["count"], "coincident": ["coin"], "grid_tuple": ["grid"]}.get(
+            kind, ["gh", "gw"] + (["gf"] if len(d.grid) == 3 else [])
+        )
+    rng.shuffle(sides)
+    return sides
 
 
 _ROLES = (
