@@ -239,7 +239,9 @@ def trace_call(
             if leaf is None:  # no submodule of the model left to make a leaf: no progress
                 where = traceback_location(err)
                 raise untraceable_error(model, DataDependentError(str(err), None, where)) from None
-            auto_leaves[leaf] = f"{type(err).__name__}: {err}"
+            auto_leaves[leaf] = (
+                f"{type(err).__name__}: {str(err)[:200]} at {traceback_location(err)}"
+            )
     thread_inplace(graph)
     drop_unused_sizes(graph)
     gm = fx.GraphModule(wrapper, graph, class_name=type(model).__name__ + "Traced")
