@@ -127,7 +127,6 @@ def locate(
             # the stream's way into a later list is unclear (CaiT's class-attention blocks
             # take (tokens, cls)): the stack ends before that list
             chain = chain[: chain.index(err.list_path)]
-    refuse_hierarchical_stages(model, blocks)
     carried = {p: _carried_slots([b for b in blocks if b.list_path == p]) for p in chain}
     first = blocks[0]
     meta = first.stream_in.meta.get("tread_meta")
@@ -139,6 +138,7 @@ def locate(
         )
     module = model.get_submodule(first.path)
     batch_dim, token_dim, batch, folded = stream_dims(traced, module, first, primary, chain)
+    refuse_hierarchical_stages(model, blocks)  # after: a feature map is no token sequence
     num_tokens = meta.shape[token_dim]
     prefix, suffix = joint_parts(
         model, keep_prefix, first.stream_in, primary, token_dim, num_tokens

@@ -60,6 +60,7 @@ __all__ = [
     "store_object_constant",
     "dynamo_wrappers_call_through",
     "is_compiled_module_wrapper",
+    "is_stateless",
     "dynamo_wrappers_run_original",
     "traced_values_are_tensors",
 ]
@@ -362,6 +363,19 @@ def is_compiled_module_wrapper(module: nn.Module) -> bool:
     """
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
     return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)
+
+
+def is_stateless(module: nn.Module) -> bool:
+    """Whether ``module`` owns no parameters and no buffers: called from a forward without being
+    a submodule (a module-level instance wrapping a function, as the ``kernels`` package makes of
+    ``apply_rotary_pos_emb``), its code is the caller's code and traces as such. One with state
+    is refused by the trace (its parameters would become constants of the graph).
+
+    Example:
+        >>> is_stateless(nn.GELU()), is_stateless(nn.Linear(2, 2))
+        (True, False)
+    """
+    return next(module.parameters(), None) is None and next(module.buffers(), None) is None
 
 
 @contextlib.contextmanager

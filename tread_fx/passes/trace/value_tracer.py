@@ -34,6 +34,7 @@ from tread_fx.passes.trace.support import (
     DataDependentError,
     has_call_hooks,
     is_compiled_module_wrapper,
+    is_stateless,
     store_object_constant,
     user_frame,
 )
@@ -385,8 +386,8 @@ class ValueTracer(fx.Tracer):
             return forward(*args, **kwargs)
         try:
             path = self.path_of_module(m)
-        except NameError:  # ``torch.compile(submodule)`` in forward: calls the installed one
-            if not is_compiled_module_wrapper(m):
+        except NameError:  # not a submodule of the model: its code is traced as the caller's
+            if not (is_compiled_module_wrapper(m) or is_stateless(m)):
                 raise
             return forward(*args, **kwargs)
         if self.is_leaf_module(m, path):
