@@ -30,9 +30,10 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from tread_fx.errors import SelectionError, warn_at_caller
-from tread_fx.passes.locate.dataflow import input_slots, tensor_shape
+from tread_fx.passes.locate.dataflow import argument_items, input_slots, int_value, tensor_shape
 from tread_fx.passes.locate.layout import stream_tokens
 from tread_fx.passes.locate.stream import BlockCall, StreamInfo
+from tread_fx.passes.plan.dim_flow import follow_dim
 from tread_fx.passes.plan.inline_tables import InlineBlock
 from tread_fx.passes.plan.uses import TaggedInt, _forward, _name, tagged_example
 from tread_fx.passes.trace.block import example_of, trace_through
@@ -40,6 +41,7 @@ from tread_fx.passes.trace.tracer import TracedCall
 
 __all__ = [
     "GridUse",
+    "height_slots",
     "grid_uses",
     "grid_by_use",
     "kept_factors",
@@ -61,6 +63,10 @@ class GridUse:
         sources: Per factor, ``"slot"``, ``"literal"`` or ``"data"`` (see the module docstring).
         paths: Per factor, where it stands in the reshape's ``args``.
         inlinable: Whether the block can be traced through to be inlined.
+        slots: Per factor, the argument slot of the block call it was read from (``None``
+            when its source is not ``"slot"``).
+        on_token_dim: Whether the dim it splits holds the stream's tokens by data flow
+            (:func:`~tread_fx.passes.plan.dim_flow.follow_dim`); ``None``: not known.
     """
 
     block: BlockCall
@@ -69,6 +75,8 @@ class GridUse:
     sources: tuple[str, ...]
     paths: tuple[tuple[int, ...], ...]
     inlinable: bool
+    slots: tuple[tuple | None, ...] = ()
+    on_token_dim: bool | None = None
 
     def describe(self) -> str:
         """``block 1 (blocks.1) reshapes its tokens to (4, 4) (literal, literal)``."""
@@ -142,8 +150,9 @@ def _trace(gm: fx.GraphModule, block: BlockCall) -> tuple[TracedCall | None, boo
     return trace_through(module, example, inlined=False), False, kept[1]
 
 
-def _class_uses(gm: fx.GraphModule, block: BlockCall, routable: int) -> list[tuple]:
-    """``(reshape name, factors, sources, paths, inlinable)`` of each grid use in a block."""
+def _class_uses(gm: fx.GraphModule, block: BlockCall, routable: int, token_dim: int) -> list:
+    """``(reshape name, factors, sources, paths, inlinable, slots, on_token_dim)`` of each
+    grid use."""
     traced, inlinable, leaves = _trace(gm, block)
     if traced is None:
         return []
@@ -153,14 +162,25 @@ def _class_uses(gm: fx.GraphModule, block: BlockCall, routable: int) -> list[tup
     if len(placeholders) != len(leaves) or not at:
         return []
     data = set().union(*(_forward(placeholders[i]) for i in at))
+    flow = follow_dim(placeholders[at[0]], token_dim)
     found = []
     for node in traced.gm.graph.nodes:
         split = _factorization(node, routable) if node in data else None
         if split is not None:
             factors, paths = split
-            sources = tuple(_source(_at(node.args, p)) for p in paths)
-            found.append((node.name, factors, sources, tuple(paths), inlinable))
+            sizes = [_at(node.args, p) for p in paths]
+            sources = tuple(map(_source, sizes))
+            slots = tuple(getattr(v, "slot", None) for v in sizes)
+            on_tokens = _on_token_dim(node, routable, flow)
+            found.append((node.name, factors, sources, tuple(paths), inlinable, slots, on_tokens))
     return found
+
+
+def _on_token_dim(node: fx.Node, routable: int, flow: dict[fx.Node, int]) -> bool | None:
+    """Whether the dim of ``routable`` values that the reshape ``node`` splits holds the
+    tokens by data flow; ``None`` when the flow lost the token dim on the way."""
+    dim = flow.get(node.args[0], -1)
+    return None if dim == -1 else tensor_shape(node.args[0]).index(routable) == dim
 
 
 def grid_uses(
@@ -181,25 +201,60 @@ def grid_uses(
             continue
         key = (type(gm.get_submodule(block.node.target)), id(kept[0]), block.in_slot)
         if key not in cache:
-            cache[key] = _class_uses(gm, block, routable)
+            cache[key] = _class_uses(gm, block, routable, info.layout.token_dim)
         found += [GridUse(block, *use) for use in cache[key]]
     return found if decided else _unless_width(found, info)
 
 
 def _unless_width(found: list[GridUse], info: StreamInfo) -> list[GridUse]:
-    """``found``, or none when another dim of the stream (its width) holds as many values as
-    the routable tokens: a split of that many values may then be the features' (attention
-    heads), which no value tells apart from the tokens'; a warning names the choice."""
+    """``found``, where no other dim of the stream (its width) holds as many values as the
+    routable tokens. Where one does, a split of that many values may be the features' (attention
+    heads): the uses that data flow shows to split the token dim are kept, those it shows to
+    split another dim are not grid uses; when it cannot tell for one, none is taken and a
+    warning names the choice."""
     shape, dim = info.stream_meta.shape, info.layout.token_dim
     if not found or info.layout.routable not in [s for i, s in enumerate(shape) if i != dim]:
         return found
+    unclear = [u for u in found if u.on_token_dim is None]
+    if not unclear:
+        return [u for u in found if u.on_token_dim]
     warn_at_caller(
-        f"{found[0].describe()}, but the stream {tuple(shape)} also has {info.layout.routable} "
-        "values on another dim, so tread_fx cannot tell whether that is a patch grid or a "
-        "split of the features (heads); it is not taken for the grid. If it is the grid, pass "
-        "grid=(H, W) and selection='rows' to route()."
+        f"{unclear[0].describe()}, but the stream {tuple(shape)} also has "
+        f"{info.layout.routable} values on another dim, so tread_fx cannot tell whether that is "
+        "a patch grid or a split of the features (heads); it is not taken for the grid. If it "
+        "is the grid, pass grid=(H, W) and selection='rows' to route()."
     )
     return []
+
+
+def _value_at(node: fx.Node, slot: tuple) -> int | None:
+    """The int the block call ``node`` passes at ``slot`` (nested into tuples), or ``None``."""
+    value: object = dict(argument_items(node)).get(tuple(slot[:2]))
+    for j in slot[2:]:
+        if not isinstance(value, (tuple, list)) or j >= len(value):
+            return None
+        value = value[j]
+    return int_value(value)
+
+
+def height_slots(uses: list[GridUse], grid: tuple[int, ...]) -> list[tuple]:
+    """``(block node, slot)`` of each block argument that a grid use reshapes the tokens by as
+    the grid's height (its rows per frame): data flow names the argument, wherever it stands
+    among the call's arguments (``partial(blk, w=gw, ..., h=gh)``).
+
+    Example:
+        >>> height_slots([], (4, 4))
+        []
+    """
+    found = []
+    for use in uses:
+        if tuple(use.factors) != tuple(grid) or len(use.slots) != len(grid):
+            continue
+        slot = use.slots[-2]
+        told = _value_at(use.block.node, slot) if slot is not None else None
+        if told == grid[-2] and (use.block.node, slot) not in found:
+            found.append((use.block.node, slot))
+    return found
 
 
 def _cuts(factors: tuple[int, ...]) -> set[int]:

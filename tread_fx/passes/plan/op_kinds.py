@@ -50,6 +50,7 @@ __all__ = [
     "aten_overloads",
     "is_elementwise",
     "is_pointwise",
+    "is_torch_op",
     "keeps_values",
     "mixes_tokens",
     "pairs_tokens",
@@ -98,6 +99,23 @@ def _runnable(node: fx.Node) -> bool:
         return target in _overridable()
     except TypeError:  # an unhashable target
         return False
+
+
+def is_torch_op(node: fx.Node) -> bool:
+    """Whether ``node`` calls one of torch's own ops (a tensor method, an aten op, an
+    ``operator`` function, an overridable torch function), whose effect tread_fx reads from
+    torch's metadata; a library or model function kept as one call is not one.
+
+    Example:
+        >>> import torch
+        >>> graph = fx.Graph()
+        >>> x = graph.placeholder("x")
+        >>> is_torch_op(graph.call_function(torch.relu, (x,)))
+        True
+        >>> is_torch_op(graph.call_function(print, (x,)))
+        False
+    """
+    return _runnable(node)
 
 
 def _key(value: Any) -> Any:

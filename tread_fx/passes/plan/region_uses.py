@@ -300,10 +300,13 @@ def count_arguments(
         ``(block node, slot, number after routing)`` for each argument whose number changes.
 
     Raises:
-        SideInputError: A number matches counts that routing changes differently.
+        SideInputError: A number matches counts that routing changes differently, or one
+            handed to a call tread_fx does not see into matches a count but is not computed
+            from the stream's token dim (:func:`read_from_stream`).
     """
     prefix, suffix = layout.prefix, layout.suffix
     tokens = stream_tokens(info.blocks[route.start], info)
+    entering = input_slots(info.blocks[route.start].node)[info.blocks[route.start].in_slot]
     others = _other_sequences(info.blocks[route.start], info, passed, name)
     found = []
     paths = {b.list_path for b in info.blocks[route.start : route.end]}
@@ -320,18 +323,89 @@ def count_arguments(
             counts.append(("the never-routed suffix of the stream", suffix, suffix))
         traced = uses.get(block.node) is not None
         counts += [] if traced else others  # traced: a count sizes the stream's own tokens
+        values = dict(argument_items(block.node))
         for slot, number in int_arguments(block.node):
             unchanged = (block.node, slot) in skip or slot not in constant[block.list_path]
-            if unchanged or not sizes_tokens(uses, block.node, slot):
+            unseen = traced and uses[block.node].unseen.get(slot)
+            if unchanged or not (unseen or sizes_tokens(uses, block.node, slot)):
                 continue
-            matches = [(what, new) for what, value, new in counts if value == number]
+            told = counts + others if unseen else counts
+            matches = [(what, new) for what, value, new in told if value == number]
             if len({new for _, new in matches}) > 1:
                 raise SideInputError(_ambiguous(block, name(block, slot), number, matches))
+            reads = {value for _, value, _ in counts}
+            if matches and unseen and not read_from_stream(values[slot], entering, reads):
+                raise SideInputError(_unseen(block, name(block, slot), number, unseen, matches))
             if matches and matches[0][1] != number:
                 found.append((block.node, slot, matches[0][1]))
                 if not traced:
                     warn_at_caller(_guessed(block, name(block, slot), number))
     return found
+
+
+def read_from_stream(value: Any, stream: fx.Node, counts: set[int]) -> bool:
+    """Whether the int ``value`` (a graph node) is computed from a size read of a token dim
+    (a dim of one of ``counts``) of ``stream`` or of a tensor ``stream`` is computed from:
+    ``ntok = x.shape[1]`` of the stream entering the blocks is a token count by data flow.
+
+    Example:
+        >>> read_from_stream(16, None, {16})  # a literal: not read from any tensor
+        False
+    """
+    if not isinstance(value, fx.Node):
+        return False
+    lineage = data_ancestors(stream, set()) | {stream}
+    for tensor, dim in _size_reads(value):
+        shape = tensor_shape(tensor) if tensor in lineage else None
+        if shape and -len(shape) <= dim < len(shape) and shape[dim] in counts:
+            return True
+    return False
+
+
+def _size_reads(value: fx.Node) -> list[tuple[fx.Node, int]]:
+    """``(tensor, dim)`` of each size read (``t.size(d)``, ``t.shape[d]``) that the int
+    ``value`` is computed from through int arithmetic."""
+    reads, todo, seen = [], [value], set()
+    while todo:
+        node = todo.pop()
+        if node in seen or not isinstance(node, fx.Node):
+            continue
+        seen.add(node)
+        read = _size_read(node)
+        if read is not None:
+            reads.append(read)
+        elif type(node.meta.get("tread_meta")) is int:
+            todo.extend(node.all_input_nodes)
+    return reads
+
+
+def _size_read(node: fx.Node) -> tuple[fx.Node, int] | None:
+    """``(tensor, dim)`` when ``node`` reads one size of a tensor, else ``None``."""
+    if node.op == "call_method" and node.target == "size" and len(node.args) == 2:
+        tensor, dim = node.args
+    elif node.op == "call_function" and node.target is operator.getitem:
+        shape, dim = node.args
+        whole = isinstance(shape, fx.Node) and shape.op in ("call_method", "call_function")
+        is_size = whole and shape.target == "size" and len(shape.args) == 1
+        if not (is_size or (whole and shape.target is getattr and shape.args[1] == "shape")):
+            return None
+        tensor = shape.args[0]
+    else:
+        return None
+    return (tensor, dim) if isinstance(tensor, fx.Node) and isinstance(dim, int) else None
+
+
+def _unseen(block: BlockCall, name: str, number: int, call: str, matches: list) -> str:
+    what, new = matches[0]
+    return (
+        f"block {block.index} ({block.path}) receives the number {number} as its argument "
+        f"'{name}' and hands it to {call}, which tread_fx does not see into, beside values "
+        f"computed from the tokens. {number} is {what} (told {new} after routing), but the "
+        "number is not computed from the stream's shape, so tread_fx cannot tell whether it "
+        "counts the tokens or only equals their count. Compute it from the stream entering "
+        "the blocks (x.shape[1]), let the block read it from its input, or route blocks "
+        "that do not take it (blocks=)."
+    )
 
 
 def sizes_tokens(uses: dict, node: fx.Node, slot: tuple) -> bool:

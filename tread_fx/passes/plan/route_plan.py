@@ -44,6 +44,7 @@ from tread_fx.passes.locate.layout import (
     stream_prefix,
 )
 from tread_fx.passes.locate.stream import BlockCall, StreamInfo
+from tread_fx.passes.plan.grid_uses import grid_uses, height_slots
 from tread_fx.passes.plan.handoff import (
     carried_counterparts,
     check_empty_start,
@@ -310,13 +311,19 @@ def _in_order(region: set[fx.Node]) -> list[fx.Node]:
     return [n for n in next(iter(region)).graph.nodes if n in region]
 
 
-def _height_arguments(info, route, layout: StreamLayout, strategy: Strategy, uses) -> list:
+def _height_arguments(gm, info, route, layout: StreamLayout, strategy: Strategy, uses) -> list:
     """Blocks told the patch grid's height: ints equal to the grid that the block uses to
-    reshape its tokens (in a block that cannot be traced through, by value alone)."""
-    heights = [
+    reshape its tokens (in a block that cannot be traced through, by value alone), and the
+    arguments that the blocks' grid reshapes read the height from, by data flow."""
+    by_flow = []
+    if layout.grid is not None:  # the arguments the blocks' grid reshapes read, by data flow
+        found = grid_uses(gm, info, info.blocks[route.start : route.end], decided=True)
+        by_flow = height_slots(found, layout.grid)
+    seen = {node for node, _ in by_flow}  # by value (the ints spelling the grid) elsewhere
+    heights = by_flow + [
         (node, slot)
         for node, slot in grid_arguments(info, route, layout.grid)
-        if sizes_tokens(uses, node, slot)
+        if node not in seen and sizes_tokens(uses, node, slot)
     ]
     if heights and not strategy.needs_grid:
         node, _ = heights[0]
@@ -369,7 +376,7 @@ def plan_route(
         if crossing.node is common["stream_end"]:
             crossing.prefix_shift = shift
     units, keep = _units(route, strategy, layout, grid)
-    heights = _height_arguments(info, route, layout, strategy, uses)
+    heights = _height_arguments(gm, info, route, layout, strategy, uses)
     segments = segment_boundaries(entering) if layout.batch_size == 1 else None
     if layout.batch_dim == NO_BATCH_DIM or segments is not None:
         check_packed_strategy(strategy.name, strategy.needs_grid)

@@ -44,7 +44,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
@@ -55,6 +55,7 @@ from tread_fx.adapters.values import SideValue
 from tread_fx.passes.locate.dataflow import argument_items, tensor_shape
 from tread_fx.passes.plan.op_kinds import (
     is_elementwise,
+    is_torch_op,
     keeps_values,
     mixes_tokens,
     pairs_tokens,
@@ -62,12 +63,14 @@ from tread_fx.passes.plan.op_kinds import (
 )
 from tread_fx.passes.trace.block import example_of, is_tensorish, trace_through
 from tread_fx.passes.trace.tracer import LEAF_REASON_KEY, MODEL_PREFIX
+from tread_fx.stages import own_file
 
 __all__ = [
     "Use",
     "BlockUses",
     "TaggedInt",
     "count_slots",
+    "unseen_count_slots",
     "tagged_example",
     "built_table_uses",
     "call_uses",
@@ -115,9 +118,7 @@ def _op_name(node: fx.Node) -> str:
         return _name(node)
     path = str(node.target).removeprefix(MODEL_PREFIX)
     reason = node.meta.get(LEAF_REASON_KEY)
-    return (
-        path if reason is None else f"{path} (kept as one call: tracing it raised {reason[:300]})"
-    )
+    return path if reason is None else f"{path} (kept as one call: tracing it raised {reason})"
 
 
 @dataclass
@@ -129,11 +130,16 @@ class BlockUses:
         counts: Int argument slots of the call that size a token dim.
         ops: ``(node, path)`` -> names of the ops in the block that read it first (for
             refusals: what an unclassified value reaches).
+        unseen: Int argument slots handed, with a value computed from the stream, to a call
+            tread_fx does not see into (a library function such as einops' ``rearrange``, a
+            leaf module) -> that call's name: they may size a token dim
+            (:func:`unseen_count_slots`).
     """
 
     tensors: dict[tuple, Use]
     counts: set[tuple]
     ops: dict[tuple, frozenset[str]]
+    unseen: dict[tuple, str] = field(default_factory=dict)
 
 
 def _forward(start: fx.Node, within: set[fx.Node] | None = None) -> set[fx.Node]:
@@ -308,8 +314,9 @@ def _class_uses(gm, node: fx.Node, stream_at, example: Any, leaves, tokens, toke
         for i, ph in enumerate(placeholders)
     ]
     counts = set().union(*(count_slots(n, tokens) for n in stream if n.op != "placeholder"))
+    unseen = {k: v for n in stream for k, v in unseen_count_slots(n).items() if k not in counts}
     ops = [frozenset(_op_name(u) for u in ph.users) for ph in placeholders]
-    return uses, counts, ops
+    return uses, counts, ops, unseen
 
 
 def call_uses(
@@ -344,8 +351,8 @@ def call_uses(
         by_class[key] = _class_uses(gm, node, stream_at, example, leaves, tokens, token_dim)
     if by_class[key] is None:
         return None
-    uses, counts, ops = by_class[key]
-    return BlockUses(dict(zip(leaves, uses)), counts, dict(zip(leaves, ops)))
+    uses, counts, ops, unseen = by_class[key]
+    return BlockUses(dict(zip(leaves, uses)), counts, dict(zip(leaves, ops)), unseen)
 
 
 def strongest(uses: set[Use | None]) -> Use | None:
@@ -458,6 +465,32 @@ def count_slots(node: fx.Node, tokens: set[int]) -> set[tuple]:
         if isinstance(dim, int) and -len(shape) <= dim < len(shape) and shape[dim] in tokens:
             return _tags(list(node.args[1:]) + list(node.kwargs.values()))
     return set()
+
+
+def unseen_count_slots(node: fx.Node) -> dict[tuple, str]:
+    """Slots of tagged ints handed to ``node`` when it is a call tread_fx does not see into
+    (neither one of torch's ops nor tread_fx's own: a library function kept as one call, a
+    leaf module), with the op's name; ``node`` is taken to receive a value computed from the
+    stream. Such an int may size a token dim there (``einops.rearrange(a, ..., n=count)``).
+
+    Example:
+        >>> graph = fx.Graph()
+        >>> x = graph.placeholder("x")
+        >>> unseen_count_slots(graph.call_function(print, (x, TaggedInt(8, ("arg", 1)))))
+        {('arg', 1): 'print'}
+    """
+    if node.op == "call_function" and (is_torch_op(node) or _own_function(node.target)):
+        return {}
+    if node.op not in ("call_function", "call_module"):
+        return {}
+    found = _tags(list(node.args) + list(node.kwargs.values()))
+    return dict.fromkeys(sorted(found), _op_name(node))
+
+
+def _own_function(target: Any) -> bool:
+    """Whether ``target`` is tread_fx's own (a helper the trace records, ``functional_setitem``)."""
+    code = getattr(target, "__code__", None)
+    return code is not None and own_file(code.co_filename)
 
 
 def _reshaped(node: fx.Node, shape: tuple[int, ...], tokens: set[int]) -> set[tuple]:

@@ -1,0 +1,170 @@
+"""Where one dim of a tensor goes: the dim of each value computed from it that holds it.
+
+A block may read the stream's tokens after a linear layer and a transpose (``h.transpose(1, 2)
+.reshape(b, -1, gh, gw)``); when the stream's width equals its token count, sizes alone cannot
+say which dim of the reshaped value is the tokens'. Data flow can: :func:`follow_dim` walks
+forward from the stream, and for each op maps the tracked dim to its place in the result:
+
+- ``transpose``/``swapaxes``/``permute``/``movedim``/``.mT`` by their arguments;
+- ``reshape``/``view``/``flatten``/``unflatten`` when the dims before it keep their product and
+  the dim keeps its size (a dim merged or split away is lost);
+- elementwise ops and copies (by torch's op tags and schemas: dims aligned from the right);
+- ops on the last dim only (a linear layer, a norm over the features, ``x @ w`` with a 2-D
+  ``w``), for any other dim.
+
+A value reached along paths that disagree, or an op none of these covers, holds no tracked dim:
+the caller then knows it cannot tell (never a guess).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+from tread_fx.passes.locate.dataflow import tensor_shape
+from tread_fx.passes.plan.op_kinds import is_elementwise, keeps_values
+
+__all__ = ["follow_dim"]
+
+_TRANSPOSES = {"transpose", "swapaxes", "swapdims"}
+_MOVES = {"movedim", "moveaxis"}
+_RESHAPES = {"reshape", "view", "flatten", "unflatten"}
+_UNKNOWN = -1
+
+
+def _name(node: fx.Node) -> str:
+    target = node.target
+    if node.op == "call_method":
+        return str(target)
+    return getattr(target, "__name__", "") if node.op == "call_function" else ""
+
+
+def _ints(args: tuple) -> list[int] | None:
+    flat = list(args[0]) if len(args) == 1 and isinstance(args[0], (tuple, list)) else list(args)
+    return flat if all(type(a) is int for a in flat) else None
+
+
+def _transposed(node: fx.Node, dim: int, rank: int) -> int | None:
+    name = _name(node)
+    rest = node.args[1:]
+    if name in _TRANSPOSES and len(rest) == 2 and all(type(a) is int for a in rest):
+        a, b = (r % rank for r in rest)
+        return b if dim == a else a if dim == b else dim
+    if name == "permute":
+        order = _ints(rest)
+        if order is None or len(order) != rank:
+            return _UNKNOWN
+        return [o % rank for o in order].index(dim)
+    if name in ("mT", "adjoint") or (node.target is getattr and node.args[1] in ("mT", "T")):
+        return rank - 1 if dim == rank - 2 else rank - 2 if dim == rank - 1 else dim
+    if name in _MOVES and len(rest) == 2 and all(type(a) is int for a in rest):
+        source, dest = (r % rank for r in rest)
+        order = [d for d in range(rank) if d != source]
+        order.insert(dest, source)
+        return order.index(dim)
+    return None
+
+
+def _reshaped(before: tuple, after: tuple, dim: int) -> int:
+    """Where ``dim`` of ``before`` stands in ``after``: the dim at which the sizes before it
+    have the same product and whose size is the same."""
+    lead = math.prod(before[:dim])
+    for i in range(len(after)):
+        if math.prod(after[:i]) == lead and after[i] == before[dim]:
+            return i
+    return _UNKNOWN
+
+
+_LAST_DIM_MODULES = (
+    nn.Linear,
+    nn.LayerNorm,
+    nn.RMSNorm,
+    nn.Identity,
+    nn.Dropout,
+    nn.GELU,
+    nn.SiLU,
+    nn.ReLU,
+    nn.Tanh,
+    nn.Sigmoid,
+)
+_LAST_DIM_FUNCTIONS = {F.linear, F.layer_norm, F.rms_norm, F.dropout}
+
+
+def _on_last_dim(node: fx.Node, source: fx.Node) -> bool:
+    """Whether ``node`` acts on the last dim of ``source`` only (each other dim kept)."""
+    if node.op == "call_module":
+        module = node.graph.owning_module.get_submodule(node.target)
+        return isinstance(module, _LAST_DIM_MODULES)
+    if node.op == "call_function" and node.target in _LAST_DIM_FUNCTIONS:
+        return True
+    if node.target in (operator.matmul, torch.matmul) or _name(node) == "matmul":
+        other = node.args[1] if len(node.args) > 1 else None
+        shape = tensor_shape(other)
+        return node.args[0] is source and shape is not None and len(shape) == 2
+    return False
+
+
+def _mapped(node: fx.Node, source: fx.Node, dim: int) -> int:
+    """Where ``dim`` of ``source`` (an input of ``node``) stands in ``node``'s value."""
+    before, after = tensor_shape(source), tensor_shape(node)
+    if before is None or after is None:
+        return _UNKNOWN
+    if node.args and node.args[0] is source:
+        moved = _transposed(node, dim, len(before))
+        if moved is not None:
+            return moved if moved == _UNKNOWN or after[moved] == before[dim] else _UNKNOWN
+        if _name(node) in _RESHAPES:
+            return _reshaped(before, after, dim)
+    if _on_last_dim(node, source):
+        last = dim == len(before) - 1
+        kept = len(after) == len(before) and after[dim] == before[dim]
+        return dim if kept and not last else _UNKNOWN
+    same_shape = tuple(after) == tuple(before)
+    if is_elementwise(node) or (same_shape and keeps_values(node)):
+        at = dim + len(after) - len(before)  # broadcasting aligns dims from the right
+        return at if 0 <= at < len(after) and after[at] == before[dim] else _UNKNOWN
+    return _UNKNOWN
+
+
+def follow_dim(start: fx.Node, dim: int) -> dict[fx.Node, int]:
+    """Each tensor value computed from ``start`` -> the dim of it that holds ``start``'s
+    ``dim`` (``-1``: lost, or paths disagree).
+
+    Example:
+        >>> import torch
+        >>> from tread_fx.adapters.values import TensorMeta
+        >>> g = fx.Graph()
+        >>> x = g.placeholder("x")
+        >>> t = g.call_method("transpose", (x, 1, 2))
+        >>> for node, shape in ((x, (2, 16, 64)), (t, (2, 64, 16))):
+        ...     node.meta["tread_meta"] = TensorMeta(shape, torch.float32, torch.device("cpu"))
+        >>> follow_dim(x, 1)[t]
+        2
+    """
+    found: dict[fx.Node, int] = {start: dim}
+    for node in _after(start):
+        if tensor_shape(node) is None:
+            continue
+        places = {
+            _mapped(node, source, found[source])
+            for source in node.all_input_nodes
+            if found.get(source, _UNKNOWN) != _UNKNOWN
+        }
+        if places:
+            found[node] = places.pop() if len(places) == 1 else _UNKNOWN
+    return found
+
+
+def _after(start: fx.Node) -> list[fx.Node]:
+    """The nodes after ``start`` in graph order (a topological order)."""
+    nodes, seen = [], False
+    for node in start.graph.nodes:
+        if seen:
+            nodes.append(node)
+        seen = seen or node is start
+    return nodes
