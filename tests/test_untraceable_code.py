@@ -153,3 +153,108 @@ def test_a_failure_in_the_tracers_own_code_is_refused_without_retrying(monkeypat
     monkeypatch.setattr(tracer_module, "trace_restoring_state", counted)
     with pytest.raises(UntraceableModelError):
         trace_call(InstanceForward(), (torch.randn(B, N, D),), {}, set())
+
+
+class BetweenBlocks(nn.Module):
+    """The opaque op on the tokens between blocks 1 and 2 (inside route (1, 3), outside
+    route (0, 1))."""
+
+    def __init__(self, op: str) -> None:
+        super().__init__()
+        self.op = op
+        self.inp, self.out = nn.Linear(8, D), nn.Linear(D, 8)
+        self.pos = nn.Parameter(torch.randn(1, N, D))
+        self.blocks = nn.ModuleList(Block() for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, pos = self.inp(x), self.pos.expand(x.shape[0], -1, -1)
+        for i, block in enumerate(self.blocks):
+            h = block(h, pos)
+            if i == 1:
+                h = opaque(self.op, h)
+        return self.out(h)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_an_opaque_call_on_the_tokens_inside_a_route_is_refused_naming_it(op):
+    model = tread_fx.route(BetweenBlocks(op), routes=[(1, 3)], rate=0.5, seed=0)
+    name = {"function": "Scale_apply", "numpy": "numpy_tanh", "c-call": "dlpack_copy"}[op]
+    with pytest.raises(UntraceableModelError, match=rf"(?s){name} \(kept as one call.*at .*py:"):
+        model.train()(torch.randn(B, N, 8))
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_an_opaque_call_outside_the_route_routes(op):
+    model = tread_fx.route(BetweenBlocks(op), routes=[(2, 4)], rate=0.5, seed=0)
+    out = model.train()(torch.randn(B, N, 8))
+    assert out.shape == (B, N, 8)
+    assert tread_fx.route_info(model)[0].kept.shape == (B, N // 2)
+
+
+class SetupScale(torch.autograd.Function):
+    """``k x`` in the ``setup_context`` style (``forward`` takes no ctx), backward ``3 g``."""
+
+    @staticmethod
+    def forward(x, k=2.0):
+        return x * k
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.k = inputs[1]
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 3, None
+
+
+stored_scale, stored_setup_scale = Scale.apply, SetupScale.apply  # taken before any trace
+
+
+class StoredApplyBlock(nn.Module):
+    """Calls a Function's ``apply`` stored before the trace: a global, or an attribute."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.lin, self.where = nn.Linear(D, D), where
+        self.fn = Scale.apply
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        if self.where == "global":
+            return x + stored_scale(h)
+        return x + (stored_setup_scale(h) if self.where == "setup-context" else self.fn(h))
+
+
+@pytest.mark.parametrize("where", ["global", "setup-context", "attribute"])
+def test_a_stored_apply_is_one_node_with_its_own_backward(where):
+    """Before: the stored ``apply`` bypassed the class attribute the retrace patches: refused."""
+    torch.manual_seed(0)
+    block, x = StoredApplyBlock(where), torch.randn(B, N, D)
+    traced = trace_call(block, (x,), {}, set())
+    function = SetupScale if where == "setup-context" else Scale
+    targets = [n.target for n in traced.gm.graph.nodes if n.op == "call_function"]
+    assert FunctionApply.of(function) in targets and not traced.auto_leaves
+    a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+    traced.gm(a)[0].square().sum().backward()
+    block(b).square().sum().backward()  # the Function's own backward (3 g), in both
+    torch.testing.assert_close(a.grad, b.grad)
+
+
+class HeldHelperBlock(nn.Module):
+    """Holds a helper with a numpy round trip as an attribute and calls it as ``self.op``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.op = nn.Linear(D, D), numpy_tanh
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.op(self.lin(x))
+
+
+def test_a_helper_held_as_an_attribute_is_a_leaf_function():
+    """Before: fx patches the helper's global name; ``self.op`` bypassed it: refused."""
+    block, x = HeldHelperBlock(), torch.randn(B, N, D)
+    traced = trace_call(block, (x,), {}, set())
+    assert numpy_tanh in [n.target for n in traced.gm.graph.nodes if n.op == "call_function"]
+    torch.testing.assert_close(traced.gm(x)[0], block(x))
+    assert block.op is numpy_tanh  # the attribute is itself again after the trace

@@ -27,9 +27,10 @@ from tread_fx.errors import (
     SelectionError,
     SideInputError,
     TokenStreamError,
+    UntraceableModelError,
     warn_at_caller,
 )
-from tread_fx.passes.locate.dataflow import argument_name, input_slots, output_slots
+from tread_fx.passes.locate.dataflow import argument_name, fed_by, input_slots, output_slots
 from tread_fx.passes.locate.dims import check_packed_strategy, segment_boundaries
 from tread_fx.passes.locate.layout import (
     check_no_token_tables_inside,
@@ -57,8 +58,8 @@ from tread_fx.passes.plan.region_uses import (
     side_value,
     sizes_tokens,
 )
-from tread_fx.passes.plan.uses import how_used, shape_warning
-from tread_fx.passes.trace.tracer import TensorMeta
+from tread_fx.passes.plan.uses import how_used, op_name, shape_warning
+from tread_fx.passes.trace.tracer import LEAF_REASON_KEY, TensorMeta
 from tread_fx.routes import Route
 from tread_fx.runtime.selection import Strategy, kept_units
 
@@ -165,6 +166,26 @@ def _region(g: nx.DiGraph, info: StreamInfo, route: Route) -> tuple[set, fx.Node
             f"{route.start}; route ({route.start}, {route.end}) does not span a chain of blocks."
         )
     return region, stream_start, stream_end
+
+
+def refuse_opaque_calls_on_stream(region: set, info: StreamInfo, route: Route, stream) -> None:
+    """Refuse a call between the route's blocks that the trace kept as one call (a helper
+    function running numpy or C code, a submodule fx cannot follow, a custom autograd Function)
+    and that reads the routed stream: whether it works on the kept tokens alone cannot be seen.
+    A block kept whole is no such call (blocks run on the kept tokens by design); a function
+    registered with ``tread_fx.register_leaf_function`` is the user's word that it does."""
+    blocks = {b.node for b in info.blocks}
+    for node in _in_order(region):
+        reason = node.meta.get(LEAF_REASON_KEY)
+        if reason is None or node in blocks or not fed_by(node, stream):
+            continue
+        raise UntraceableModelError(
+            f"{op_name(node)} runs between the blocks of route ({route.start}, {route.end}) on "
+            "the routed tokens, and tread_fx cannot see whether it works on a subset of them. "
+            "Pass routes that do not span it, or, if it treats each token on its own, register "
+            "it with tread_fx.register_leaf_function (a function) or "
+            "tread_fx.register_leaf_module (a module class)."
+        )
 
 
 def _classify_entering(side: SideValue, users, carried_slot, family, strict: bool) -> Crossing:
@@ -402,6 +423,7 @@ def _boundary(gm, g, info: StreamInfo, route: Route, strict: bool, grid=None, pi
     """The :class:`RoutePlan` fields of what crosses the route's region, and the uses of what
     enters it; a later piece of a split route has no never-routed prefix, suffix or grid."""
     region, stream_start, stream_end = _region(g, info, route)
+    refuse_opaque_calls_on_stream(region, info, route, stream_start)
     start = info.blocks[route.start]
     shape, first = stream_start.meta["tread_meta"].shape, info.layout
     tokens = shape[first.token_dim]

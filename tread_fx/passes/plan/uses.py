@@ -70,6 +70,7 @@ __all__ = [
     "BlockUses",
     "TaggedInt",
     "count_slots",
+    "op_name",
     "unseen_count_slots",
     "tagged_example",
     "built_table_uses",
@@ -112,13 +113,13 @@ def _name(node: fx.Node) -> str:
     return target if isinstance(target, str) else getattr(target, "__name__", str(target))
 
 
-def _op_name(node: fx.Node) -> str:
+def op_name(node: fx.Node) -> str:
     """The op's name, a leaf module's path for messages (with why the trace kept it one call)."""
-    if node.op != "call_module":
-        return _name(node)
-    path = str(node.target).removeprefix(MODEL_PREFIX)
+    name = _name(node)
+    if node.op == "call_module":
+        name = str(node.target).removeprefix(MODEL_PREFIX)
     reason = node.meta.get(LEAF_REASON_KEY)
-    return path if reason is None else f"{path} (kept as one call: tracing it raised {reason})"
+    return name if reason is None else f"{name} (kept as one call: tracing it raised {reason})"
 
 
 @dataclass
@@ -315,7 +316,7 @@ def _class_uses(gm, node: fx.Node, stream_at, example: Any, leaves, tokens, toke
     ]
     counts = set().union(*(count_slots(n, tokens) for n in stream if n.op != "placeholder"))
     unseen = {k: v for n in stream for k, v in unseen_count_slots(n).items() if k not in counts}
-    ops = [frozenset(_op_name(u) for u in ph.users) for ph in placeholders]
+    ops = [frozenset(op_name(u) for u in ph.users) for ph in placeholders]
     return uses, counts, ops, unseen
 
 
@@ -484,7 +485,7 @@ def unseen_count_slots(node: fx.Node) -> dict[tuple, str]:
     if node.op not in ("call_function", "call_module"):
         return {}
     found = _tags(list(node.args) + list(node.kwargs.values()))
-    return dict.fromkeys(sorted(found), _op_name(node))
+    return dict.fromkeys(sorted(found), op_name(node))
 
 
 def _own_function(target: Any) -> bool:

@@ -61,6 +61,7 @@ __all__ = [
     "function_forward_in_stack",
     "function_forwards",
     "functions_as_calls",
+    "leaf_functions_held_by_modules",
 ]
 
 _NEUTRAL = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.__file__) + os.sep)
@@ -162,8 +163,7 @@ def functions_as_calls(tracer: Any, functions: set[type]) -> Iterator[None]:
     def make(function: type) -> Callable:
         def patch(previous: Callable) -> Callable:
             def apply(*args: Any, **kwargs: Any) -> Any:
-                leaves = pytree.tree_leaves((args, kwargs))
-                if not any(isinstance(a, fx.Proxy) and a.tracer is tracer for a in leaves):
+                if not _traced(tracer, (args, kwargs)):
                     return previous(*args, **kwargs)  # real values: the Function itself
                 target = FunctionApply.of(function)
                 return tracer.create_proxy("call_function", target, args, kwargs)
@@ -172,7 +172,85 @@ def functions_as_calls(tracer: Any, functions: set[type]) -> Iterator[None]:
 
         return patch
 
-    patches = [(cls, "apply", make(cls)) for cls in sorted(classes, key=id)]
+    patches = []
+    for cls in sorted(classes, key=id):
+        patches += [(cls, "apply", make(cls)), (cls, "forward", _forward_as_call(tracer, cls))]
+        if _has_setup_context(cls):
+            patches.append((cls, "setup_context", _setup_skipped_on_proxies(tracer)))
+    with thread_local_patches(patches):
+        yield
+
+
+def _traced(tracer: Any, values: Any) -> bool:
+    leaves = pytree.tree_leaves(values)
+    return any(isinstance(a, fx.Proxy) and a.tracer is tracer for a in leaves)
+
+
+def _has_setup_context(function: type) -> bool:
+    """Whether ``function`` defines ``setup_context`` (its ``forward`` then takes no ctx)."""
+    base = torch.autograd.Function.setup_context
+    return getattr(function.setup_context, "__func__", function.setup_context) is not getattr(
+        base, "__func__", base
+    )
+
+
+def _forward_as_call(tracer: Any, function: type) -> Callable:
+    """``function.forward`` that records one :class:`FunctionApply` node when handed traced
+    values: ``F.apply`` stored before the trace (``scale = F.apply``, ``self.fn = F.apply``)
+    is not the patched class attribute, but torch's ``apply`` calls the class's ``forward``,
+    and hands on what it returns (a proxy is no tensor: passed through untouched)."""
+    takes_ctx = not _has_setup_context(function)
+
+    def patch(previous: Callable) -> Callable:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            inputs = args[1:] if takes_ctx else args
+            if not _traced(tracer, (inputs, kwargs)):
+                return previous(*args, **kwargs)
+            return tracer.create_proxy("call_function", FunctionApply.of(function), inputs, kwargs)
+
+        return forward
+
+    return patch
+
+
+def _setup_skipped_on_proxies(tracer: Any) -> Callable:
+    """``setup_context`` that does nothing for a traced call (its node runs the real one)."""
+
+    def patch(previous: Callable) -> Callable:
+        def setup_context(ctx: Any, inputs: Any, output: Any) -> Any:
+            if _traced(tracer, (inputs, output)):
+                return None
+            return previous(ctx, inputs, output)
+
+        return setup_context
+
+    return patch
+
+
+@contextlib.contextmanager
+def leaf_functions_held_by_modules(tracer: Any, model: nn.Module) -> Iterator[None]:
+    """A leaf function a module holds as an attribute (``self.op = numpy_tanh``, called as
+    ``self.op(x)``) records one node like the global it also is: the global is patched by fx,
+    the attribute refers to the function itself. Patched for the tracing thread only."""
+    ids = getattr(tracer, "leaf_function_ids", set())
+
+    def make(function: Callable) -> Callable:
+        def patch(previous: Callable) -> Callable:
+            def call(*args: Any, **kwargs: Any) -> Any:
+                if not _traced(tracer, (args, kwargs)):
+                    return previous(*args, **kwargs)
+                return tracer.create_proxy("call_function", function, args, kwargs)
+
+            return call
+
+        return patch
+
+    patches = [
+        (module, name, make(value))
+        for module in model.modules()
+        for name, value in list(vars(module).items())
+        if callable(value) and id(value) in ids
+    ]
     with thread_local_patches(patches):
         yield
 

@@ -38,10 +38,12 @@ from tread_fx.passes.trace.mutation import (
     thread_inplace,
 )
 from tread_fx.passes.trace.opaque import (
+    FunctionApply,
     LeavesTorchError,
     OpaqueFunctionError,
     enclosing_function,
     functions_as_calls,
+    leaf_functions_held_by_modules,
 )
 from tread_fx.passes.trace.support import (
     DataDependentError,
@@ -186,6 +188,7 @@ def trace_call(
     flat, in_spec = pytree.tree_flatten((args, kwargs))
     auto_leaves: dict[str, str] = {}
     auto_functions: list = []
+    function_reasons: dict[Any, str] = {}  # leaf function (or Function's apply) -> why
     opaque: set[type] = set()  # custom autograd Functions called as one node
     # a class defined in a notebook, a REPL or ``python -c`` lives in a module with no file
     # the model's classes and those of modules handed in as arguments (a rotary module)
@@ -221,9 +224,11 @@ def trace_call(
                 stuck = DataDependentError(str(err), None, err.where)
                 raise untraceable_error(model, stuck) from None
             opaque.add(err.function)
+            function_reasons[FunctionApply.of(err.function)] = _why(err)
         except DataDependentError as err:
             leaf = _new_leaf(err.module_path, auto_leaves)
             if leaf is None and _add_enclosing(err, auto_functions):
+                function_reasons[auto_functions[-1]] = _why(err)
                 continue  # ``t.numpy()`` in a helper function of the model's code: a leaf
             if leaf is None:
                 raise untraceable_error(model, err) from None
@@ -235,18 +240,17 @@ def trace_call(
                 continue
             leaf = _new_leaf(getattr(err, "tread_module_path", None), auto_leaves)
             if leaf is None and _add_enclosing(err, auto_functions):
+                function_reasons[auto_functions[-1]] = _why(err)
                 continue  # C code that rejects a traced value, in a helper function
             if leaf is None:  # no submodule of the model left to make a leaf: no progress
                 where = traceback_location(err)
                 raise untraceable_error(model, DataDependentError(str(err), None, where)) from None
-            auto_leaves[leaf] = (
-                f"{type(err).__name__}: {str(err)[:200]} at {traceback_location(err)}"
-            )
+            auto_leaves[leaf] = _why(err)
     thread_inplace(graph)
     drop_unused_sizes(graph)
     gm = fx.GraphModule(wrapper, graph, class_name=type(model).__name__ + "Traced")
     name_placeholders(gm.graph, (args, kwargs), wrapper.tensor_positions)
-    mark_leaf_reasons(gm.graph, auto_leaves)
+    mark_leaf_reasons(gm.graph, auto_leaves, function_reasons)
     return TracedCall(gm, wrapper, in_spec, wrapper.tensor_positions, wrapper.out_spec, auto_leaves)
 
 
@@ -254,14 +258,36 @@ def trace_call(
 LEAF_REASON_KEY = "tread_leaf_reason"
 
 
-def mark_leaf_reasons(graph: fx.Graph, auto_leaves: dict[str, str]) -> None:
-    """Note on each call of a submodule the trace made a leaf what its trace-through raised,
-    so a refusal naming the call can say why tread_fx cannot see into it."""
+def mark_leaf_reasons(
+    graph: fx.Graph, auto_leaves: dict[str, str], functions: dict[Any, str] | None = None
+) -> None:
+    """Note on each call the trace kept as one call (a submodule made a leaf, a helper function
+    of the model's code, a custom autograd Function) what tracing into it raised, so a refusal
+    naming the call can say why tread_fx cannot see into it."""
+    functions = functions or {}
     for node in graph.nodes:
         if node.op == "call_module":
             reason = auto_leaves.get(str(node.target).removeprefix(MODEL_PREFIX))
-            if reason is not None:
-                node.meta[LEAF_REASON_KEY] = reason
+        elif node.op == "call_function":
+            reason = functions.get(node.target) if _hashable(node.target) else None
+        else:
+            continue
+        if reason is not None:
+            node.meta[LEAF_REASON_KEY] = reason
+
+
+def _hashable(target: Any) -> bool:
+    try:
+        hash(target)
+    except TypeError:
+        return False
+    return True
+
+
+def _why(err: BaseException) -> str:
+    """What a trace raised and where, for a call kept as one call (:data:`LEAF_REASON_KEY`)."""
+    where, text = getattr(err, "where", None) or traceback_location(err), str(err)[:200]
+    return f"{type(err).__name__}: {text}" + ("" if where and where in text else f" at {where}")
 
 
 def trace_restoring_state(
@@ -284,6 +310,7 @@ def trace_restoring_state(
                 dynamo_wrappers_call_through(),
                 traced_values_are_tensors(tracer, model),
                 functions_as_calls(tracer, getattr(tracer, "opaque_functions", frozenset())),
+                leaf_functions_held_by_modules(tracer, model),
             ):
                 return tracer.trace(wrapper)
         finally:
