@@ -220,3 +220,25 @@ def test_a_refusal_says_why_a_call_could_not_be_seen_into():
         match=r"(?s)opaque \(kept as one call: tracing it raised .* at .*test_adapters.py:\d+",
     ):
         model(*_inputs(False))
+
+
+class _NumpyInForwardBlock(_Block):
+    """A block whose own forward takes its input out of torch (numpy): no submodule or helper
+    function around it can become a leaf, so the block cannot be traced through."""
+
+    def forward(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        scale = torch.from_numpy(x.detach().numpy().std(axis=-1, keepdims=True))
+        return super().forward(x, table) * scale
+
+
+def test_a_refusal_says_why_a_block_could_not_be_traced_through():
+    """No block receiving the value could be traced through: the message names what the
+    block's trace raised and where (before: only that none could be)."""
+    model = _TableModel(shared=False)
+    model.blocks = torch.nn.ModuleList(_NumpyInForwardBlock() for _ in range(4))
+    tread_fx.route(model, routes=[(1, 3)], seed=0).train()
+    with pytest.raises(
+        SideInputError,
+        match=r"(?s)blocks\.\d \(could not be traced through: .*numpy.* at .*test_adapters.py:\d+",
+    ):
+        model(*_inputs(False))

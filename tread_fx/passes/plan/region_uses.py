@@ -61,7 +61,8 @@ from tread_fx.passes.plan.uses import (
     call_uses,
     strongest,
 )
-from tread_fx.passes.trace.block import is_tensorish
+from tread_fx.passes.trace.block import is_tensorish, untraced_reason
+from tread_fx.passes.trace.tracer import MODEL_PREFIX
 from tread_fx.routes import Route
 
 __all__ = [
@@ -151,7 +152,7 @@ def side_value(
     """
     info, layout, stream_start, block_nodes, uses = ctx
     receiving = {u: uses.get(u) for u in users if u in block_nodes}
-    in_blocks, reaches = _in_blocks(node, receiving)
+    in_blocks, reaches = _in_blocks(node, receiving, block_nodes)
     use = None  # unseen: a receiving block shows no use of it
     if not receiving or in_blocks is not None:
         use = strongest({in_blocks, _between_use(node, region, stream_start, block_nodes, layout)})
@@ -181,15 +182,19 @@ def side_value(
     )
 
 
-def _in_blocks(node: fx.Node, receiving: dict) -> tuple[Use | None, frozenset[str]]:
+def _in_blocks(node: fx.Node, receiving: dict, modules: dict) -> tuple[Use | None, frozenset]:
     """How the blocks receiving ``node`` use it (any of its tensors): the strongest use, or
     ``None`` when none shows one or one could not be traced through; and the names of the
-    block ops that read it first (for refusal messages)."""
+    block ops that read it first, or of a block whose trace-through failed with what it
+    raised (for refusal messages)."""
     uses, ops = set(), set()
-    for found in receiving.values():
+    for call, found in receiving.items():
         if found is not None:
             uses |= {u for (n, _), u in found.tensors.items() if n is node}
             ops |= {op for (n, _), names in found.ops.items() if n is node for op in names}
+        elif (reason := untraced_reason(modules[call])) is not None:
+            path = str(call.target).removeprefix(MODEL_PREFIX)
+            ops.add(f"{path} (could not be traced through: {reason})")
     if any(u is None for u in receiving.values()):
         uses.discard(Use.NONE)  # a block that could not be traced through may use it
     return strongest(uses), frozenset(ops)

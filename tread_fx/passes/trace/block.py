@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import weakref
 from typing import Any
 
 import torch
@@ -22,12 +23,13 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from tread_fx.adapters.values import TensorMeta
-from tread_fx.passes.trace.support import has_call_hooks
+from tread_fx.passes.trace.support import failure_reason, has_call_hooks
 from tread_fx.passes.trace.tracer import TracedCall, fetch_attr, trace_call
 from tread_fx.passes.trace.value_tracer import EXAMPLE_KEY
 from tread_fx.runtime.guards import check_traced_value
 
 __all__ = [
+    "untraced_reason",
     "EXAMPLE_KEY",
     "drop_examples",
     "example_of",
@@ -146,8 +148,23 @@ def _trace_forward(module: nn.Module, example: Any, through_hooks: bool) -> Trac
     args, kwargs = example
     try:
         return trace_call(module, tuple(args), dict(kwargs), set(), through_hooks)
-    except Exception:  # noqa: BLE001 - a block that cannot be traced through stays one call
+    except Exception as err:  # noqa: BLE001 - a block that cannot be traced through stays one call
+        _UNTRACED[module] = failure_reason(err)
         return None
+
+
+#: module -> what its last failed trace-through raised (:func:`untraced_reason`)
+_UNTRACED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def untraced_reason(module: nn.Module) -> str | None:
+    """What tracing ``module`` through raised the last time it failed, or ``None``.
+
+    Example:
+        >>> untraced_reason(nn.Linear(2, 2)) is None
+        True
+    """
+    return _UNTRACED.get(module)
 
 
 def _trace_inside_call(module: nn.Module, example: Any) -> TracedCall | None:

@@ -28,6 +28,7 @@ import functools
 import inspect
 import os
 import random
+import re
 import sys
 import types
 from collections.abc import Iterator
@@ -61,6 +62,7 @@ __all__ = [
     "dynamo_wrappers_call_through",
     "is_compiled_module_wrapper",
     "is_stateless",
+    "failure_reason",
     "dynamo_wrappers_run_original",
     "traced_values_are_tensors",
 ]
@@ -363,6 +365,22 @@ def is_compiled_module_wrapper(module: nn.Module) -> bool:
     """
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
     return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)
+
+
+def failure_reason(err: BaseException) -> str:
+    """What a trace raised and where (the message cut at 200 characters), for the note on a
+    call kept whole and for refusals that name code tread_fx could not see into.
+
+    Example:
+        >>> failure_reason(ValueError("bad"))
+        'ValueError: bad at <unknown location>'
+    """
+    where, text = getattr(err, "where", None) or traceback_location(err), str(err)
+    if isinstance(err, UntraceableModelError):  # a refusal naming its line: its first sentence
+        first = re.split(r"\.\s", text)[0][:200]
+        return f"{type(err).__name__}: {first}"
+    text = text[:200]
+    return f"{type(err).__name__}: {text}" + ("" if where and where in text else f" at {where}")
 
 
 def is_stateless(module: nn.Module) -> bool:

@@ -51,6 +51,7 @@ from tread_fx.passes.trace.support import (
     checkpoint_as_plain_call,
     dynamo_wrappers_call_through,
     factories_take_proxies,
+    failure_reason,
     name_placeholders,
     refuse_python_random,
     side_effect_error,
@@ -224,11 +225,11 @@ def trace_call(
                 stuck = DataDependentError(str(err), None, err.where)
                 raise untraceable_error(model, stuck) from None
             opaque.add(err.function)
-            function_reasons[FunctionApply.of(err.function)] = _why(err)
+            function_reasons[FunctionApply.of(err.function)] = failure_reason(err)
         except DataDependentError as err:
             leaf = _new_leaf(err.module_path, auto_leaves)
             if leaf is None and _add_enclosing(err, auto_functions):
-                function_reasons[auto_functions[-1]] = _why(err)
+                function_reasons[auto_functions[-1]] = failure_reason(err)
                 continue  # ``t.numpy()`` in a helper function of the model's code: a leaf
             if leaf is None:
                 raise untraceable_error(model, err) from None
@@ -240,12 +241,12 @@ def trace_call(
                 continue
             leaf = _new_leaf(getattr(err, "tread_module_path", None), auto_leaves)
             if leaf is None and _add_enclosing(err, auto_functions):
-                function_reasons[auto_functions[-1]] = _why(err)
+                function_reasons[auto_functions[-1]] = failure_reason(err)
                 continue  # C code that rejects a traced value, in a helper function
             if leaf is None:  # no submodule of the model left to make a leaf: no progress
                 where = traceback_location(err)
                 raise untraceable_error(model, DataDependentError(str(err), None, where)) from None
-            auto_leaves[leaf] = _why(err)
+            auto_leaves[leaf] = failure_reason(err)
     thread_inplace(graph)
     drop_unused_sizes(graph)
     gm = fx.GraphModule(wrapper, graph, class_name=type(model).__name__ + "Traced")
@@ -282,12 +283,6 @@ def _hashable(target: Any) -> bool:
     except TypeError:
         return False
     return True
-
-
-def _why(err: BaseException) -> str:
-    """What a trace raised and where, for a call kept as one call (:data:`LEAF_REASON_KEY`)."""
-    where, text = getattr(err, "where", None) or traceback_location(err), str(err)[:200]
-    return f"{type(err).__name__}: {text}" + ("" if where and where in text else f" at {where}")
 
 
 def trace_restoring_state(
