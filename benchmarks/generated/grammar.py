@@ -20,7 +20,13 @@ import keyword
 import random
 from dataclasses import dataclass, field
 
+from benchmarks.generated.grammar_containers import (
+    CONTAINER_ROLES,
+    containers_features,
+    draw_containers,
+)
 from benchmarks.generated.grammar_more import MORE_ROLES, draw_more, more_features
+from benchmarks.generated.grammar_scan import SCAN_ROLES, ScanDraw, draw_scan, scan_features
 
 __all__ = ["Company", "Draw", "Names", "draw", "BATCH"]
 
@@ -171,6 +177,10 @@ class Draw:
     text_mask_kind: str | None = None
     text_masked: tuple[int, ...] = ()
     latent_tokens: int = 0
+    scan: ScanDraw | None = None  # the scan round (grammar_scan.py)
+    dict_walk: str = "values"  # the containers round (grammar_containers.py)
+    stages: tuple[int, ...] = ()
+    text_join: str = "cat"
 
     @property
     def num_patches(self) -> int:
@@ -230,7 +240,7 @@ class Draw:
             out.append(f"mask={self.mask}")
         if self.refuse:
             out.append(f"refuse={self.refuse}")
-        out += more_features(self)
+        out += more_features(self) + scan_features(self) + containers_features(self)
         out.append(f"rate={self.rate}")
         out.append("route_end=depth" if self.end == self.depth else "route_end=inner")
         return out
@@ -305,11 +315,14 @@ def draw(seed: int) -> Draw:
     if rng.random() < 0.2:
         _refusal(rng, d)
     draw_more(d)
+    draw_scan(d)
+    draw_containers(d)
     d.masked = _masked(rng, d.num_patches, d.rate) if d.mask else ()
     d.side_order = _sides(rng, d)
     d.names = {role: names.fresh() for role in _ROLES}
     d.names.update({role: names.cls() for role in ("model", "block")})
     d.names.update({role: names.fresh() for role in MORE_ROLES})
+    d.names.update({role: names.fresh() for role in SCAN_ROLES + CONTAINER_ROLES})
     return d
 
 

@@ -17,6 +17,8 @@ Example:
 from __future__ import annotations
 
 from benchmarks.generated.grammar import Draw
+from benchmarks.generated.grammar_containers import MORE_CONTAINERS
+from benchmarks.generated.grammar_scan import scan_reason, scan_rows
 from benchmarks.generated.source_block import block_source, helpers_source
 from benchmarks.generated.source_calls import (
     block_list,
@@ -25,6 +27,10 @@ from benchmarks.generated.source_calls import (
     int_lines,
     model_blocks,
     twin_route_blocks,
+)
+from benchmarks.generated.source_containers import (
+    container_init,
+    text_unpack_lines,
 )
 from benchmarks.generated.source_inputs import (
     embed_init,
@@ -89,7 +95,7 @@ def protected_ids(d: Draw) -> list[int]:
 
 def _rows_selected(d: Draw) -> bool:
     """Whether the blocks reshape to the patch grid (so TREAD keeps whole rows)."""
-    return any(kind.startswith("grid") for kind in d.ints)
+    return any(kind.startswith("grid") for kind in d.ints) or scan_rows(d)
 
 
 def kept_count(d: Draw) -> int:
@@ -122,6 +128,8 @@ def _container_init(d: Draw) -> list[str]:
     n, blk = d.names, d.names["block"]
     spec = _spec(d)
     make = f"{blk}(di, do, mg) for di, do, mg in "
+    if d.container in MORE_CONTAINERS:
+        return container_init(d, spec)
     if d.container == "numbered":
         return [f"self.{n['numbered']}{i} = {blk}{args}" for i, args in enumerate(spec)]
     if d.container == "sequential":
@@ -240,6 +248,8 @@ def _strip_company(d: Draw) -> list[str]:
 
 
 def _strip_text(d: Draw) -> list[str]:
+    if d.text_join == "pack":
+        return text_unpack_lines(d)
     if d.text == "prefix":
         return [f"x = x[:, {d.text_tokens}:]"]
     if d.text == "suffix":
@@ -326,7 +336,7 @@ def _reason(d: Draw) -> str:
         return f"the tokens are folded into the batch before block {d.change_at}, in the route"
     if d.refuse == "latents":
         return "the blocks run on learned latents, not on tokens computed from the input"
-    return ""
+    return scan_reason(d)
 
 
 def module_source(d: Draw) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from benchmarks.generated.grammar import Draw
 from benchmarks.generated.source_calls import block_params
+from benchmarks.generated.source_scan import scan_forward, scan_helpers, scan_init
 
 __all__ = ["helpers_source", "block_source"]
 
@@ -43,7 +44,7 @@ def {n["fn_angles"]}(count, dim):
     inv = 1.0 / (100.0 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     angles = torch.arange(count, dtype=torch.float32)[:, None] * inv[None]
     return torch.cat([angles, angles], dim=-1)
-"""
+""" + scan_helpers(d)
 
 
 def _init(d: Draw) -> list[str]:
@@ -65,7 +66,7 @@ def _init(d: Draw) -> list[str]:
         lines.append(f"    self.{n['wproj']} = nn.Linear(din, dout) if din != dout else None")
     if d.refuse == "merge":
         lines.append(f"    self.{n['merge']} = nn.Linear(2 * din, din) if merge else None")
-    return lines + _more_init(d)
+    return lines + _more_init(d) + scan_init(d)
 
 
 def _more_init(d: Draw) -> list[str]:
@@ -203,7 +204,7 @@ def _forward(d: Draw) -> list[str]:
     lines += _attention(d)
     lines.append(f"    a = self.{n['o']}({_heads_merge(d, 'a')})")
     lines.append("    x = x + g1[:, None] * a" if d.adaln else "    x = x + a")
-    lines += _cross(d)
+    lines += _cross(d) + scan_forward(d)
     lines.append(_modulated(d, "n2", "s2", "c2"))
     lines += _ffn(d)
     lines.append("    x = x + g2[:, None] * h" if d.adaln else "    x = x + h")

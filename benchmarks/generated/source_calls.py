@@ -16,6 +16,8 @@ Example:
 from __future__ import annotations
 
 from benchmarks.generated.grammar import Draw
+from benchmarks.generated.grammar_containers import MORE_CONTAINERS
+from benchmarks.generated.source_containers import container_block_list, container_walk
 
 __all__ = [
     "block_params", "call_lines", "model_blocks", "twin_route_blocks", "block_list",
@@ -86,6 +88,8 @@ def call_lines(d: Draw, block: str, values: dict[str, str] | None = None) -> lis
 def block_list(d: Draw) -> str:
     """An expression for the model's blocks in order (``self`` is the model)."""
     n = d.names
+    if d.container in MORE_CONTAINERS:
+        return container_block_list(d)
     if d.container == "numbered":
         return "[" + ", ".join(f"self.{n['numbered']}{i}" for i in range(d.depth)) + "]"
     if d.container == "two_lists":
@@ -106,7 +110,9 @@ def model_blocks(d: Draw) -> list[str]:
     n = d.names
     fold = d.refuse == "fold"
     lines = ["cb = c"] if fold else []
-    if d.container == "numbered":
+    if d.container in MORE_CONTAINERS:  # never with a fold (grammar_containers.py)
+        lines += container_walk(d, call_lines(d, "blk"))
+    elif d.container == "numbered":
         for i in range(d.depth):
             lines += _fold_lines() if fold and i == d.change_at else []
             lines += call_lines(d, f"self.{n['numbered']}{i}")

@@ -13,6 +13,7 @@ Example:
 from __future__ import annotations
 
 from benchmarks.generated.grammar import BATCH, Draw
+from benchmarks.generated.source_containers import text_pack_lines
 
 __all__ = [
     "embed_init", "embed_line", "head_out", "unpatchify", "predicate_lines", "text_lines",
@@ -118,7 +119,9 @@ def text_lines(d: Draw) -> list[str]:
     if not d.text:
         return []
     lines = [f"txt = self.{d.names['txt_proj']}({d.names['arg_txt']})"]
-    if d.text == "prefix":
+    if d.text_join == "pack":
+        lines += text_pack_lines(d)
+    elif d.text == "prefix":
         lines.append("x = torch.cat([txt, x], dim=1)")
     elif d.text == "suffix":
         lines.append("x = torch.cat([x, txt], dim=1)")
