@@ -4,10 +4,11 @@ blocks held as numbered attributes (``self.b0``, ``self.b1`` ... called one afte
 A one-block ``ModuleList`` before (or after) a list of the same block class, the stream
 flowing through both, is part of the stack: routes count over the blocks in the order the
 stream passes them (a one-block list used to be no candidate, the longer list alone was routed
-at the chain's indices: silently wrong). Numbered attributes of one class that the stream passes
-in turn are a stack, ordered by data flow, not by their names or their definition order (they
-were refused as "no ModuleList"). Same-class modules side by side on one input (q/k/v
-projections) are no stack. ``tread_fx/passes/locate/members.py``, ``stacks.py``.
+at the chain's indices: silently wrong); so is a one-block stage in a list of stages.
+Numbered attributes of one class that the stream passes in turn are a stack, ordered by data
+flow, not by their names or their definition order (they were refused as "no ModuleList").
+Same-class modules side by side on one input (q/k/v projections) are no stack.
+``tread_fx/passes/locate/members.py``, ``stacks.py``.
 """
 
 from __future__ import annotations
@@ -87,6 +88,25 @@ class Numbered(Stem):
         return self.head(x)
 
 
+class Stages(Stem):
+    """A list of equal-width stages, each a list of blocks; the middle stage holds one block
+    (it was left out of the chain: the stages beside it were joined, silently misnumbered)."""
+
+    def __init__(self, sizes: tuple[int, ...] = (3, 1, 2)) -> None:
+        super().__init__()
+        self.stages = nn.ModuleList(nn.ModuleList(Block() for _ in range(n)) for n in sizes)
+
+    def blocks(self) -> list[nn.Module]:
+        return [blk for stage in self.stages for blk in stage]
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        x, c = self.embed(x), self.time(t[:, None])
+        for stage in self.stages:
+            for blk in stage:
+                x = blk(x, c)
+        return self.head(x)
+
+
 def _inputs():
     gen = torch.Generator().manual_seed(3)
     return torch.randn(B, N, 3, generator=gen), torch.rand(B, generator=gen)
@@ -112,6 +132,7 @@ CASES = {
     "one-then-four": (lambda: Lists(1, 4), [(0, 2), (1, 3), (3, 5)]),
     "four-then-one": (lambda: Lists(4, 1), [(2, 5), (3, 4), (4, 5)]),
     "numbered": (Numbered, [(0, 2), (1, 4), (3, 5)]),
+    "stages-3-1-2": (Stages, [(2, 5), (3, 4), (1, 6)]),
 }
 PARAMS = [(name, route) for name, (_, routes) in CASES.items() for route in routes]
 

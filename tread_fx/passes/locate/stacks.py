@@ -92,11 +92,17 @@ def candidate_stacks(model: nn.Module) -> dict[str, Any]:
             mixed[path] = module
     found |= attribute_runs(model, found, block_class)
     classes = {block_class(m) for members in found.values() for m in members}
-    inside = tuple(f"{p}." for p in found)
+    # a one-block list inside a block is part of that block; inside a list of stages (lists
+    # of blocks: ``stages[1]`` holding one block between longer stages) it is a stage
+    inside = tuple(f"{p}." for p, members in found.items() if not _all_lists(members))
     for path, module in single.items():
         if block_class(module[0]) in classes and not path.startswith(inside):
             found[path] = module
     return found or mixed
+
+
+def _all_lists(members: Any) -> bool:
+    return all(isinstance(m, (nn.ModuleList, nn.Sequential)) for m in members)
 
 
 def block_class(module: nn.Module) -> type:
