@@ -7,7 +7,8 @@ stream passes them (a one-block list used to be no candidate, the longer list al
 at the chain's indices: silently wrong); so is a one-block stage in a list of stages.
 Numbered attributes of one class that the stream passes in turn are a stack, ordered by data
 flow, not by their names or their definition order (they were refused as "no ModuleList").
-Same-class modules side by side on one input (q/k/v projections) are no stack.
+Blocks in an ``nn.ModuleDict`` are a stack as a list's are. Same-class modules side by side on
+one input (q/k/v projections) are no stack.
 ``tread_fx/passes/locate/members.py``, ``stacks.py``.
 """
 
@@ -107,6 +108,32 @@ class Stages(Stem):
         return self.head(x)
 
 
+class Keyed(Stem):
+    """Blocks in an ``nn.ModuleDict`` (keys that sort otherwise than they are called), walked
+    by its values, its items or its keys (was refused: "no ModuleList/Sequential")."""
+
+    def __init__(self, walk: str = "values") -> None:
+        super().__init__()
+        self.stack = nn.ModuleDict({k: Block() for k in ("q", "b", "z", "a", "m")})
+        self.walk = walk
+
+    def blocks(self) -> list[nn.Module]:
+        return list(self.stack.values())
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        x, c = self.embed(x), self.time(t[:, None])
+        if self.walk == "values":
+            for blk in self.stack.values():
+                x = blk(x, c)
+        elif self.walk == "items":
+            for _, blk in self.stack.items():
+                x = blk(x, c)
+        else:
+            for key in self.stack:
+                x = self.stack[key](x, c)
+        return self.head(x)
+
+
 def _inputs():
     gen = torch.Generator().manual_seed(3)
     return torch.randn(B, N, 3, generator=gen), torch.rand(B, generator=gen)
@@ -133,6 +160,9 @@ CASES = {
     "four-then-one": (lambda: Lists(4, 1), [(2, 5), (3, 4), (4, 5)]),
     "numbered": (Numbered, [(0, 2), (1, 4), (3, 5)]),
     "stages-3-1-2": (Stages, [(2, 5), (3, 4), (1, 6)]),
+    "module-dict-values": (Keyed, [(1, 4)]),
+    "module-dict-items": (lambda: Keyed("items"), [(0, 3)]),
+    "module-dict-keys": (lambda: Keyed("keys"), [(2, 5)]),
 }
 PARAMS = [(name, route) for name, (_, routes) in CASES.items() for route in routes]
 

@@ -11,7 +11,11 @@ layer that widens the features. Two things used to defeat tread_fx here:
   features', so no grid was taken (a warning), although data flow shows the reshaped dim is
   the tokens' (the stream's dim 1, through a linear layer and a transpose).
 
-Both route by default (whole rows) and equal a hand-written routed forward told the kept grid.
+- a block reshaping its tokens by a literal grid width with the rows read from the tokens
+  (``u.reshape(b, -1, gw, c)``, a column scan) on such a stream: the input has two dims of 16,
+  so the split was not read at all and random tokens were routed (silently another result).
+
+All route by default (whole rows) and equal a hand-written routed forward told the kept grid.
 """
 
 from __future__ import annotations
@@ -71,6 +75,31 @@ class GridModel(nn.Module):
         return self.head(x)
 
 
+class ColumnScanBlock(nn.Module):
+    """Scans its tokens column by column: a literal grid width, the rows read from the tokens
+    (``-1``); the stream is as wide as it is long, so only data flow tells which dim of the
+    reshaped value is the tokens' (with random tokens the scan ran silently on no grid)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.out = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor, w: int, cond: torch.Tensor, h: int) -> torch.Tensor:
+        b, _, c = x.shape
+        u = self.lin(x + cond[:, None])
+        cols = u.reshape(b, -1, GW, c).transpose(1, 2).reshape(b, -1, c)
+        scanned = cols.cumsum(dim=1) * 0.1
+        back = scanned.reshape(b, GW, -1, c).transpose(1, 2).reshape(b, -1, c)
+        return x + self.out(back)
+
+
+class ColumnScanModel(GridModel):
+    def __init__(self) -> None:
+        super().__init__(width=GH * GW)
+        self.blocks = nn.ModuleList(ColumnScanBlock(GH * GW) for _ in range(4))
+
+
 def _inputs() -> tuple[tuple, dict]:
     gen = torch.Generator().manual_seed(4)
     return (torch.randn(B, 3, 2 * GH, 2 * GW, generator=gen), torch.rand(B, generator=gen)), {}
@@ -80,6 +109,7 @@ CASES = [
     Case("height-after-width", GridModel, _inputs, routes=[(1, 3)]),
     Case("by-partial", lambda: GridModel(by_partial=True), _inputs, routes=[(1, 3)]),
     Case("width-equals-tokens", lambda: GridModel(width=GH * GW), _inputs, routes=[(1, 3)]),
+    Case("column-scan-literal-width", ColumnScanModel, _inputs, routes=[(1, 3)]),
 ]
 
 

@@ -82,14 +82,15 @@ def candidate_stacks(model: nn.Module) -> dict[str, Any]:
     found: dict[str, Any] = {}
     single, mixed = {}, {}
     for path, module in model.named_modules():
-        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
+        if not isinstance(module, _BLOCK_CONTAINERS):
             continue
-        if len(module) >= 2 and len({block_class(c) for c in module}) == 1:
-            found[path] = module
-        elif len(module) == 1:
-            single[path] = module
-        elif isinstance(module, nn.ModuleList) and len(module) >= 2:
-            mixed[path] = module
+        members = list(module.children())  # a ModuleDict's values, in insertion order
+        if len(members) >= 2 and len({block_class(c) for c in members}) == 1:
+            found[path] = members
+        elif len(members) == 1:
+            single[path] = members
+        elif not isinstance(module, nn.Sequential) and len(members) >= 2:
+            mixed[path] = members
     found |= attribute_runs(model, found, block_class)
     classes = {block_class(m) for members in found.values() for m in members}
     # a one-block list inside a block is part of that block; inside a list of stages (lists
@@ -99,6 +100,10 @@ def candidate_stacks(model: nn.Module) -> dict[str, Any]:
         if block_class(module[0]) in classes and not path.startswith(inside):
             found[path] = module
     return found or mixed
+
+
+#: containers whose members may be the blocks (a ModuleDict iterated by its values or keys)
+_BLOCK_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
 
 def _all_lists(members: Any) -> bool:
@@ -145,10 +150,11 @@ def resolve_block_lists(
                 f"blocks={path!r} was asked for, but {type(model).__name__} has no submodule "
                 f"at that path; candidates are {sorted(candidate_stacks(model)) or 'none'}."
             ) from None
-        if not isinstance(container, (nn.ModuleList, nn.Sequential)) or len(container) == 0:
+        if not isinstance(container, _BLOCK_CONTAINERS) or len(container) == 0:
             raise BlockStackNotFoundError(
                 f"blocks={path!r} is a {type(container).__name__}, not a non-empty "
-                "ModuleList/Sequential of blocks; name the container that holds the blocks."
+                "ModuleList/Sequential/ModuleDict of blocks; name the container that holds "
+                "the blocks."
             )
         paths.append(path)
     return paths

@@ -112,15 +112,21 @@ def _size_paths(node: fx.Node) -> tuple[int, list[tuple[int, ...]]] | None:
     return 0, [(j,) for j in range(1, len(node.args))]
 
 
-def _factorization(node: fx.Node, routable: int) -> tuple[tuple, list] | None:
+def _factorization(node: fx.Node, routable: int, flow_dim: int = -1) -> tuple[tuple, list] | None:
     """(factors, their paths) where ``node`` splits a dim of ``routable`` tokens of its
-    input into 2 or 3 factors, each above 1; ``None`` when it does not (or the input has
-    several dims of that size: which one is the tokens' cannot be told by value)."""
+    input into 2 or 3 factors, each above 1; ``None`` when it does not. Where the input has
+    several dims of that size, the one data flow shows holds the tokens (``flow_dim``, from
+    :func:`~tread_fx.passes.plan.dim_flow.follow_dim`) is read; unknown, none is."""
     shape, out = tensor_shape(node.args[0]) if node.args else None, tensor_shape(node)
     found = _size_paths(node) if shape and out and _name(node) in _RESHAPE else None
-    if found is None or sum(s == routable for s in shape) != 1:
+    if found is None or routable not in shape:
         return None
-    d = shape.index(routable)
+    if sum(s == routable for s in shape) == 1:
+        d = shape.index(routable)
+    elif 0 <= flow_dim < len(shape) and shape[flow_dim] == routable:
+        d = flow_dim
+    else:
+        return None
     lo, hi = math.prod(shape[:d]), math.prod(shape[: d + 1])
     first, paths = found
     if first == -1:  # unflatten(dim, sizes)
@@ -165,22 +171,25 @@ def _class_uses(gm: fx.GraphModule, block: BlockCall, routable: int, token_dim: 
     flow = follow_dim(placeholders[at[0]], token_dim)
     found = []
     for node in traced.gm.graph.nodes:
-        split = _factorization(node, routable) if node in data else None
+        flow_dim = flow.get(node.args[0], -1) if node.args else -1
+        split = _factorization(node, routable, flow_dim) if node in data else None
         if split is not None:
             factors, paths = split
             sizes = [_at(node.args, p) for p in paths]
             sources = tuple(map(_source, sizes))
             slots = tuple(getattr(v, "slot", None) for v in sizes)
-            on_tokens = _on_token_dim(node, routable, flow)
+            on_tokens = None if flow_dim == -1 else _split_dim(node, routable, flow_dim) == flow_dim
             found.append((node.name, factors, sources, tuple(paths), inlinable, slots, on_tokens))
     return found
 
 
-def _on_token_dim(node: fx.Node, routable: int, flow: dict[fx.Node, int]) -> bool | None:
-    """Whether the dim of ``routable`` values that the reshape ``node`` splits holds the
-    tokens by data flow; ``None`` when the flow lost the token dim on the way."""
-    dim = flow.get(node.args[0], -1)
-    return None if dim == -1 else tensor_shape(node.args[0]).index(routable) == dim
+def _split_dim(node: fx.Node, routable: int, flow_dim: int) -> int:
+    """The input dim of ``routable`` values the reshape ``node`` splits (``flow_dim`` where
+    several have that size and it is one of them)."""
+    shape = tensor_shape(node.args[0])
+    if sum(s == routable for s in shape) > 1 and shape[flow_dim] == routable:
+        return flow_dim
+    return shape.index(routable)
 
 
 def grid_uses(
