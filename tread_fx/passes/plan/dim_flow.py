@@ -9,8 +9,9 @@ forward from the stream, and for each op maps the tracked dim to its place in th
 - ``reshape``/``view``/``flatten``/``unflatten`` when the dims before it keep their product and
   the dim keeps its size (a dim merged or split away is lost);
 - elementwise ops and copies (by torch's op tags and schemas: dims aligned from the right);
-- ops on the last dim only (a linear layer, a norm over the features, ``x @ w`` with a 2-D
-  ``w``), for any other dim.
+- ops on the last dim only (a linear layer, a norm over the features), for any other dim;
+  ``a @ b``: ``a``'s dims but its last, ``b``'s last; ops that keep every dim in place
+  (``softmax``, ``cumsum``, ``flip``, ``tril``).
 
 A value reached along paths that disagree, or an op none of these covers, holds no tracked dim:
 the caller then knows it cannot tell (never a guess).
@@ -21,7 +22,6 @@ from __future__ import annotations
 import math
 import operator
 
-import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
@@ -93,6 +93,9 @@ _LAST_DIM_MODULES = (
     nn.Sigmoid,
 )
 _LAST_DIM_FUNCTIONS = {F.linear, F.layer_norm, F.rms_norm, F.dropout}
+# ops that keep every dim in place (values may mix along one): same shape out
+_IN_PLACE = {"softmax", "log_softmax", "cumsum", "cumprod", "flip", "roll", "tril", "triu"}
+_MATMULS = {"matmul", "bmm", "__matmul__"}
 
 
 def _on_last_dim(node: fx.Node, source: fx.Node) -> bool:
@@ -100,13 +103,22 @@ def _on_last_dim(node: fx.Node, source: fx.Node) -> bool:
     if node.op == "call_module":
         module = node.graph.owning_module.get_submodule(node.target)
         return isinstance(module, _LAST_DIM_MODULES)
-    if node.op == "call_function" and node.target in _LAST_DIM_FUNCTIONS:
-        return True
-    if node.target in (operator.matmul, torch.matmul) or _name(node) == "matmul":
-        other = node.args[1] if len(node.args) > 1 else None
-        shape = tensor_shape(other)
-        return node.args[0] is source and shape is not None and len(shape) == 2
-    return False
+    return node.op == "call_function" and node.target in _LAST_DIM_FUNCTIONS
+
+
+def _through_matmul(node: fx.Node, source: fx.Node, dim: int, before, after) -> int:
+    """``a @ b``: a dim of ``a`` but its last stays (from the right), ``b``'s last is the
+    result's last; the contracted dims are lost."""
+    rank = len(before)
+    if len(node.args) != 2 or rank < 2:
+        return _UNKNOWN
+    if node.args[0] is source and dim < rank - 1:
+        at = dim + len(after) - rank
+    elif node.args[1] is source and dim == rank - 1:
+        at = len(after) - 1
+    else:
+        return _UNKNOWN
+    return at if 0 <= at < len(after) and after[at] == before[dim] else _UNKNOWN
 
 
 def _mapped(node: fx.Node, source: fx.Node, dim: int) -> int:
@@ -120,6 +132,10 @@ def _mapped(node: fx.Node, source: fx.Node, dim: int) -> int:
             return moved if moved == _UNKNOWN or after[moved] == before[dim] else _UNKNOWN
         if _name(node) in _RESHAPES:
             return _reshaped(before, after, dim)
+    if node.target is operator.matmul or _name(node) in _MATMULS:
+        return _through_matmul(node, source, dim, before, after)
+    if _name(node) in _IN_PLACE and tuple(after) == tuple(before):
+        return dim
     if _on_last_dim(node, source):
         last = dim == len(before) - 1
         kept = len(after) == len(before) and after[dim] == before[dim]

@@ -35,7 +35,7 @@ from torch.utils import _pytree as pytree
 
 from tread_fx.adapters.token_tables import take_rows
 from tread_fx.adapters.values import StreamLayout, TensorMeta
-from tread_fx.errors import SideInputError
+from tread_fx.errors import SideInputError, warn_at_caller
 from tread_fx.passes.locate.dataflow import input_slots
 from tread_fx.passes.locate.stream import BlockCall
 from tread_fx.passes.plan.uses import Use, _forward, built_table_uses
@@ -141,7 +141,43 @@ def _tables(block: BlockCall, leaves: list, traced: TracedCall, layout: StreamLa
         if use in (Use.IDS, Use.UNKNOWN) and _built_from_tables(node, data, traced.gm):
             raise SideInputError(_unresolved(block, node, use))
     cut = {n: _token_dims(n.meta["tread_meta"].shape, layout, u) for n, u in uses.items()}
-    return data, {n: groups for n, groups in cut.items() if groups and uses[n] in _CUT}
+    cut = {n: groups for n, groups in cut.items() if groups and uses[n] in _CUT}
+    padded = _padded_by_computed_amounts(data)
+    unclear = [n for n in cut if any(u in padded for u in n.users)]
+    if unclear:
+        warn_at_caller(_padded_table(block, unclear[0]))
+    return data, {n: groups for n, groups in cut.items() if n not in unclear}
+
+
+def _padded_by_computed_amounts(data: set[fx.Node]) -> set[fx.Node]:
+    """The data computed from a ``pad`` whose amounts the block computes (Mamba-2's SSD pads
+    its tokens to a multiple of its chunk length): a dim sized like the tokens there may be
+    the chunk's, which routing does not change, so a table sized by it is no token table."""
+    pads = [
+        n
+        for n in data
+        if n.op == "call_function"
+        and getattr(n.target, "__name__", "") == "pad"
+        and any(isinstance(a, fx.Node) for a in pytree.tree_leaves(n.args[1:]))
+    ]
+    reached, todo = set(pads), list(pads)
+    while todo:
+        for user in todo.pop().users:
+            if user not in reached:
+                reached.add(user)
+                todo.append(user)
+    return reached
+
+
+def _padded_table(block: BlockCall, table: fx.Node) -> str:
+    shape = tuple(table.meta["tread_meta"].shape)
+    return (
+        f"block {block.index} ({block.path}) builds the table {table.name} of shape {shape}, "
+        "sized like its tokens, but it meets values the block padded by an amount it computes "
+        "(to a multiple of a chunk length), so it is not taken for a token table: the block "
+        "runs on the kept tokens as one call and builds it for them. If its positions must "
+        "stay the original ones, route blocks without it (blocks= or other routes)."
+    )
 
 
 def _unresolved(block: BlockCall, table: fx.Node, use: Use) -> str:
