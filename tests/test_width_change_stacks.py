@@ -89,3 +89,45 @@ def test_naming_both_lists_is_refused_for_the_width_change():
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_invariants(case, check):
     check(case)
+
+
+class WideningBlock(nn.Module):
+    """A block of one class at every depth, the second one widening the stream (32 -> 48)."""
+
+    def __init__(self, width: int, out: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.mix = nn.Linear(width, out)
+        self.skip = nn.Identity() if width == out else nn.Linear(width, out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.skip(x) + self.mix(self.norm(x))
+
+
+class WideningList(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(3, 32)
+        sizes = [(32, 32), (32, 48), (48, 48), (48, 48)]
+        self.blocks = nn.ModuleList(WideningBlock(a, b) for a, b in sizes)
+        self.head = nn.Linear(48, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("route", [(1, 2), (0, 3)])
+def test_a_route_over_the_widening_block_is_refused_naming_the_widths(route):
+    """Before: the scatter failed on the first call (a RoutedGraphError saying nothing of the
+    widths); a route ending after the widening block writes 48-wide tokens beside 32-wide."""
+    model = tread_fx.route(WideningList(), routes=[route], rate=0.5, seed=0)
+    with pytest.raises(tread_fx.TokenStreamError, match=r"\[2, 16, 32\].*\[2, 16, 48\]"):
+        model.train()(torch.randn(B, N, 3))
+
+
+def test_a_route_after_the_widening_block_routes():
+    model = tread_fx.route(WideningList(), routes=[(2, 4)], rate=0.5, seed=0)
+    assert model.train()(torch.randn(B, N, 3)).shape == (B, N, 3)

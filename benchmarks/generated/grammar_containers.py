@@ -44,10 +44,13 @@ def _stages(rng: random.Random, depth: int) -> tuple[int, ...]:
 
 def draw_containers(d: Draw) -> None:
     """Draw the containers round into ``d`` (in place; from a generator of its own). A fold
-    is left in its own containers (it needs the block index inside the loop)."""
+    is left in its own containers (it needs the block index inside the loop); a width change
+    is never drawn in stages."""
     rng = random.Random(f"generated-containers-{d.seed}")
     if d.refuse != "fold" and rng.random() < 0.3:
-        d.container = rng.choice(MORE_CONTAINERS)
+        # stages of two widths are lists of two forms: the design routes the longer one, so a
+        # width change would not lie inside the route (a ModuleDict holds one list)
+        d.container = "moduledict" if d.refuse == "width" else rng.choice(MORE_CONTAINERS)
         d.dict_walk = rng.choice(_WALKS)
         d.stages = _stages(rng, d.depth) if d.container == "stages" else ()
     if d.text in ("prefix", "suffix") and rng.random() < 0.5:

@@ -100,7 +100,9 @@ def crossing_prefix(g: nx.DiGraph, info: StreamInfo, route: Route) -> int:
 def check_last_block_keeps_length(info: StreamInfo, route: Route) -> None:
     """Refuse a route whose last block hands the stream on with another token count than it
     takes (it merges or splits tokens itself): the routed-around tokens could not be written
-    back beside the kept ones. Inside a route the next block's input shows the change."""
+    back beside the kept ones. Inside a route the next block's input shows the change. One
+    whose stream comes back from its last block in another width than it entered is refused
+    too (the scatter would fail on the first call)."""
     last = info.blocks[route.end - 1]
     before, after = tensor_shape(last.stream_in), tensor_shape(last.stream_out)
     dim = info.layout.token_dim
@@ -113,6 +115,17 @@ def check_last_block_keeps_length(info: StreamInfo, route: Route) -> None:
             "splits tokens itself, so the routed-around tokens cannot be written back beside "
             f"the kept ones after it. End the route before block {last.index}, or route "
             "blocks that keep the token count."
+        )
+    first = tensor_shape(info.blocks[route.start].stream_in)
+    if first is None or len(first) != len(after):
+        return
+    if [s for d, s in enumerate(first) if d != dim] != [s for d, s in enumerate(after) if d != dim]:
+        raise TokenStreamError(
+            f"route ({route.start}, {route.end}) takes the stream as {list(first)} into block "
+            f"{route.start} and gets it back as {list(after)} from block {last.index} "
+            f"({last.path}): its width changes inside the route, so the routed-around tokens "
+            "cannot be written back beside the kept ones. Route blocks between which the "
+            "stream keeps its width (end the route before the block that changes it)."
         )
 
 
