@@ -170,3 +170,36 @@ def test_an_op_it_does_not_know_loses_the_dim():
     )
     flow = follow_dim(x, 1)
     assert (flow[kept], flow[unknown]) == (1, -1)
+
+
+class ColumnMajorScanBlock(nn.Module):
+    """Scans column by column on a square grid, the way back reshaping the column-major
+    tokens by the literal width first: ``y.reshape(b, GW, -1, c)``. On a stream wider than
+    long that reshape is a grid use whose factor order data flow cannot see (the transpose
+    merged the dims): its literal 4 stands where the rows would be, and the grid's width is
+    4 too. It was inlined with the kept rows in place of the width: silently another result
+    (generator seeds 376, 429)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin, self.out = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor, w: int, cond: torch.Tensor, h: int) -> torch.Tensor:
+        b, _, c = x.shape
+        u = self.lin(x + cond[:, None])
+        cols = u.reshape(b, -1, GW, c).transpose(1, 2).reshape(b, -1, c)
+        back = (cols.cumsum(dim=1) * 0.1).reshape(b, GW, -1, c).transpose(1, 2)
+        return x + self.out(back.reshape(b, -1, c))
+
+
+class ColumnMajorModel(GridModel):
+    def __init__(self) -> None:
+        super().__init__(width=24)
+        self.blocks = nn.ModuleList(ColumnMajorScanBlock(24) for _ in range(4))
+
+
+def test_a_literal_whose_place_in_the_grid_cannot_be_told_is_refused():
+    case = Case("column-major", ColumnMajorModel, _inputs, routes=[(1, 3)])
+    model = case.route(case.model())
+    with pytest.raises(tread_fx.SelectionError, match=r"(?s)rows or the columns|the rows \(told"):
+        train_forward(model, case)

@@ -282,6 +282,10 @@ def _refusal(rng: random.Random, d: Draw) -> None:
     """A must-refuse structure inside the route: it excludes what cannot follow it."""
     d.refuse = rng.choice(["width", "merge"])
     d.change_at = rng.randint(d.start, d.end - 1)
+    if d.refuse == "width" and d.container == "two_lists" and d.change_at == d.split - 1:
+        # a width change at the end of the first list makes lists of two forms: the design
+        # routes the longer one, so the change would not lie inside the route
+        d.container = "modulelist"
     d.rope = None
     if d.refuse == "merge":
         d.company, d.mask = [], None

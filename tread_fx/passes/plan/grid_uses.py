@@ -318,10 +318,24 @@ def needs_inlining(uses: list[GridUse], grid: tuple[int, ...], keep: int) -> lis
     found = []
     for use in uses:
         kept = kept_factors(use.factors, grid, keep)
-        changed = [s for s, a, b in zip(use.sources, use.factors, kept) if a != b]
-        if "literal" in changed:
+        changed = [(s, a) for s, a, b in zip(use.sources, use.factors, kept) if a != b]
+        literals = [a for s, a in changed if s == "literal"]
+        if literals and use.on_token_dim is not True and grid[-1] in literals:
+            raise SelectionError(_orientation_unclear(use, grid, literals))
+        if literals:
             found.append(use)
     return found
+
+
+def _orientation_unclear(use: GridUse, grid: tuple[int, ...], literals: list[int]) -> str:
+    return (
+        f"{use.describe()}: the number {literals[0]} it holds itself stands where the rows of "
+        f"the grid {tuple(grid)} would be, but the grid's width is {grid[-1]} too, and tread_fx "
+        "cannot follow the token order into that reshape (a column-major scan transposes it "
+        "first), so whether the number counts the rows (told the kept rows) or the columns "
+        "(kept as it is) cannot be told. Route blocks without that reshape (blocks= or other "
+        "routes)."
+    )
 
 
 def _put(args: tuple, path: tuple[int, ...], value: int) -> tuple:
