@@ -1,7 +1,8 @@
 """Refusals that name the real reason, for two structures that cannot be routed as found:
 
 - a perceiver whose blocks hand on learned latents while the input reaches every block
-  unchanged as cross-attention context (was: "a route crosses the hand-off ... changes form");
+  unchanged as cross-attention context (was: "a route crosses the hand-off ... changes form"),
+  also when its latent blocks sit in two lists in a row (the second list's latents were routed);
 - hierarchical stages that merge tokens between them and hold their own block lists (was:
   "start 1 >= end 1 with 2 blocks"); ``blocks=`` naming one stage's list routes it.
 """
@@ -118,6 +119,47 @@ def test_a_perceiver_is_refused_for_its_latents():
     first_line = str(err.value).splitlines()[0]
     assert len(first_line) <= 150 and "context=" in str(err.value)
     assert "[2, 8, 32]" in str(err.value) and "[2, 16, 32]" in str(err.value)
+
+
+class LatentBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.cross, self.self_attn, self.ff = Attention(), Attention(), FeedForward()
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        x = self.cross(x, context=context) + x
+        return self.ff(self.self_attn(x) + x) + x
+
+
+class TwoListPerceiver(nn.Module):
+    """Latents through a short list of blocks attending to the input, then a longer list of
+    the same blocks: only the longer list's stream looked computed from the input (through the
+    first list's cross-attention), so its latents were routed (generator seeds 492, 537)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(3, D)
+        self.latents = nn.Parameter(torch.randn(8, D))
+        self.first = nn.ModuleList(LatentBlock() for _ in range(2))
+        self.rest = nn.ModuleList(LatentBlock() for _ in range(4))
+        self.queries = nn.Linear(3, D)
+        self.decode = Attention()
+        self.head = nn.Linear(D, 3)
+
+    def forward(self, data: torch.Tensor) -> torch.Tensor:
+        context = self.embed(data)
+        x = self.latents.expand(data.shape[0], -1, -1)
+        for block in self.first:
+            x = block(x, context)
+        for block in self.rest:
+            x = block(x, context)
+        return self.head(self.decode(self.queries(data), context=x))
+
+
+def test_a_perceiver_over_two_lists_is_refused_for_its_latents():
+    model = tread_fx.route(TwoListPerceiver(), routes=[(2, 4)], rate=0.5)
+    with pytest.raises(TokenStreamError, match="not computed from the input's tokens"):
+        model.train()(*_tokens()[0])
 
 
 def test_hierarchical_stages_are_refused_naming_the_stage_lists():

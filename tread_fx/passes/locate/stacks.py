@@ -324,7 +324,31 @@ def _chains(
                 break
         else:
             chains.append([path])
-    return chains
+    others = [p for p, nodes in calls.items() if p not in valid and nodes]
+    return [_with_lists_before(chain, others, calls, order) for chain in chains] if fed else chains
+
+
+def _with_lists_before(chain: list[str], others: list[str], calls: dict, order: dict) -> list:
+    """``chain`` with the same-form lists before it that hand it its stream in the slot its
+    blocks hand on (a perceiver's latent blocks attending to the input, then more of them):
+    their first block shows where the stream comes from (learned latents are refused)."""
+    for path in sorted(others, key=lambda p: -order.get(calls[p][-1], -1)):
+        last, first = calls[path][-1], calls[chain[0]][0]
+        if last not in order or not (order[last] < order[first] and fed_by(first, last)):
+            continue
+        if _same_form(path, chain[0], calls) and _feeds_handed_slot(path, chain[0], calls):
+            chain = [path, *chain]
+    return chain
+
+
+def _feeds_handed_slot(before: str, after: str, calls: dict[str, list[fx.Node]]) -> bool:
+    """Whether the last block of ``before`` feeds the first of ``after`` in an argument slot
+    ``after`` hands from block to block (its stream), not only in a context slot."""
+    a, b = calls[before], calls[after]
+    if len(b) < 2 or _node_class(a[-1]) is not _node_class(b[0]):
+        return False
+    slots = input_slots(b[0])
+    return any(k in slots and fed_by(slots[k], a[-1]) for k in _handed_slots(b)[1])
 
 
 def _hands_to(before: str, after: str, calls: dict[str, list[fx.Node]]) -> bool:
