@@ -10,7 +10,7 @@ import pytest
 
 from benchmarks.generated import check, draw, module_source
 
-CI_SLICE = range(0, 50)
+CI_SLICE = range(0, 200)
 
 
 def test_sources_compile_and_names_are_random():
