@@ -164,6 +164,18 @@ def test_the_token_dim_follows_transposes_permutes_and_reshapes():
     assert (flow[t], flow[p], flow[r]) == (2, 1, -1)  # split away by the reshape: lost
 
 
+def test_the_token_dim_follows_a_concatenation_along_another_dim():
+    g = fx.Graph()
+    x = g.placeholder("x")
+    cat_features = g.call_function(torch.cat, ([x, x], -1))
+    cat_tokens = g.call_function(torch.cat, ([x, x], 1))
+    shapes = {x: (2, 16, 16), cat_features: (2, 16, 32), cat_tokens: (2, 32, 16)}
+    for node, shape in shapes.items():
+        node.meta["tread_meta"] = TensorMeta(shape, torch.float32, torch.device("cpu"))
+    flow = follow_dim(x, 1)
+    assert (flow[cat_features], flow[cat_tokens]) == (1, -1)  # along the tokens: lost
+
+
 def test_an_op_it_does_not_know_loses_the_dim():
     x, kept, unknown = _graph(
         (2, 16, 16), ("contiguous", (), (2, 16, 16)), ("cummax_like", (), (2, 16, 16))

@@ -10,8 +10,8 @@ forward from the stream, and for each op maps the tracked dim to its place in th
   the dim keeps its size (a dim merged or split away is lost);
 - elementwise ops and copies (by torch's op tags and schemas: dims aligned from the right);
 - ops on the last dim only (a linear layer, a norm over the features), for any other dim;
-  ``a @ b``: ``a``'s dims but its last, ``b``'s last; ops that keep every dim in place
-  (``softmax``, ``cumsum``, ``flip``, ``tril``).
+  ``a @ b``: ``a``'s dims but its last, ``b``'s last; ``cat`` along another dim; ops that
+  keep every dim in place (``softmax``, ``cumsum``, ``flip``, ``tril``).
 
 A value reached along paths that disagree, or an op none of these covers, holds no tracked dim:
 the caller then knows it cannot tell (never a guess).
@@ -96,6 +96,7 @@ _LAST_DIM_FUNCTIONS = {F.linear, F.layer_norm, F.rms_norm, F.dropout}
 # ops that keep every dim in place (values may mix along one): same shape out
 _IN_PLACE = {"softmax", "log_softmax", "cumsum", "cumprod", "flip", "roll", "tril", "triu"}
 _MATMULS = {"matmul", "bmm", "__matmul__"}
+_CATS = {"cat", "concat", "concatenate"}
 
 
 def _on_last_dim(node: fx.Node, source: fx.Node) -> bool:
@@ -104,6 +105,14 @@ def _on_last_dim(node: fx.Node, source: fx.Node) -> bool:
         module = node.graph.owning_module.get_submodule(node.target)
         return isinstance(module, _LAST_DIM_MODULES)
     return node.op == "call_function" and node.target in _LAST_DIM_FUNCTIONS
+
+
+def _through_cat(node: fx.Node, dim: int, before, after) -> int:
+    """``cat`` along another dim keeps the tracked one in place; along it, it is lost."""
+    along = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
+    if not isinstance(along, int) or len(after) != len(before):
+        return _UNKNOWN
+    return dim if along % len(before) != dim and after[dim] == before[dim] else _UNKNOWN
 
 
 def _through_matmul(node: fx.Node, source: fx.Node, dim: int, before, after) -> int:
@@ -132,6 +141,8 @@ def _mapped(node: fx.Node, source: fx.Node, dim: int) -> int:
             return moved if moved == _UNKNOWN or after[moved] == before[dim] else _UNKNOWN
         if _name(node) in _RESHAPES:
             return _reshaped(before, after, dim)
+    if _name(node) in _CATS:
+        return _through_cat(node, dim, before, after)
     if node.target is operator.matmul or _name(node) in _MATMULS:
         return _through_matmul(node, source, dim, before, after)
     if _name(node) in _IN_PLACE and tuple(after) == tuple(before):
