@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
+import multiprocessing
 from pathlib import Path
 
-from benchmarks.generated.check import OUTCOMES, Result, check
+from benchmarks.generated.check import OUTCOMES, Result, check, check_quietly
 from benchmarks.generated.grammar import draw
 from benchmarks.generated.source import module_source
 
@@ -71,6 +73,16 @@ def report(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
+def _run(seeds: range, keep: Path | None, jobs: int) -> list[Result]:
+    """``check`` of each seed, in order; in ``jobs`` fresh processes when above 1 (each seed
+    is deterministic, so the report is the same)."""
+    if jobs <= 1:
+        return [check(seed, keep=keep) for seed in seeds]
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(jobs, maxtasksperchild=50) as pool:
+        return pool.map(functools.partial(check_quietly, keep=keep), seeds, chunksize=10)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI (see the module docstring); returns the exit status."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.generated")
@@ -79,13 +91,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--show", action="store_true", help="print the seed's source")
     parser.add_argument("--keep", type=Path, help="keep the written sources here")
     parser.add_argument("--out", type=Path, help="also write the report here")
+    parser.add_argument("-j", "--jobs", type=int, default=1, help="worker processes")
     args = parser.parse_args(argv)
     seeds = _seeds(str(args.seed)) if args.seed is not None else _seeds(args.seeds)
     if args.show:
         for seed in seeds:
             print(module_source(draw(seed)))
         return 0
-    results = [check(seed, keep=args.keep) for seed in seeds]
+    results = _run(seeds, args.keep, args.jobs)
     text = report(results)
     print(text)
     if args.out:

@@ -40,7 +40,7 @@ from benchmarks.coverage_checks import randomize_zero_init
 from benchmarks.generated.grammar import draw
 from benchmarks.generated.source import module_source, protected_ids
 
-__all__ = ["OUTCOMES", "Result", "check", "load_module", "perturbed"]
+__all__ = ["OUTCOMES", "Result", "check", "check_quietly", "load_module", "perturbed"]
 
 OUTCOMES = ("routed", "refused", "wrong", "foreign", "generator error")
 _TOL = dict(rtol=1e-5, atol=1e-5)
@@ -238,3 +238,10 @@ def check(seed: int, *, perturb_kept: bool = False, keep: Path | None = None) ->
             sys.modules.pop(module.__name__, None)
     seen = [f"{w.category.__name__}: {str(w.message).splitlines()[0][:200]}" for w in caught]
     return Result(seed, d.features(), d.routable, outcome, message, list(dict.fromkeys(seen)))
+
+
+def check_quietly(seed: int, keep: Path | None = None) -> Result:
+    """:func:`check` with warnings silenced (for worker processes of ``--jobs``)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return check(seed, keep=keep)
