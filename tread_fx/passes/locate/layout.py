@@ -35,6 +35,7 @@ __all__ = [
     "stream_tokens",
     "ends_where_stream_changes",
     "check_last_block_keeps_length",
+    "check_route_keeps_width",
     "check_one_stream_length",
     "crossing_prefix",
     "check_no_token_tables_inside",
@@ -100,9 +101,7 @@ def crossing_prefix(g: nx.DiGraph, info: StreamInfo, route: Route) -> int:
 def check_last_block_keeps_length(info: StreamInfo, route: Route) -> None:
     """Refuse a route whose last block hands the stream on with another token count than it
     takes (it merges or splits tokens itself): the routed-around tokens could not be written
-    back beside the kept ones. Inside a route the next block's input shows the change. One
-    whose stream comes back from its last block in another width than it entered is refused
-    too (the scatter would fail on the first call)."""
+    back beside the kept ones. Inside a route the next block's input shows the change."""
     last = info.blocks[route.end - 1]
     before, after = tensor_shape(last.stream_in), tensor_shape(last.stream_out)
     dim = info.layout.token_dim
@@ -116,8 +115,16 @@ def check_last_block_keeps_length(info: StreamInfo, route: Route) -> None:
             f"the kept ones after it. End the route before block {last.index}, or route "
             "blocks that keep the token count."
         )
+    check_route_keeps_width(info, route)
+
+
+def check_route_keeps_width(info: StreamInfo, route: Route) -> None:
+    """Refuse a route whose stream comes back from its last block in another width than it
+    entered its first (the routed-around tokens could not be written back beside the kept)."""
     first = tensor_shape(info.blocks[route.start].stream_in)
-    if first is None or len(first) != len(after):
+    last = info.blocks[route.end - 1]
+    after, dim = tensor_shape(last.stream_out), info.layout.token_dim
+    if first is None or after is None or len(first) != len(after):
         return
     if [s for d, s in enumerate(first) if d != dim] != [s for d, s in enumerate(after) if d != dim]:
         raise TokenStreamError(

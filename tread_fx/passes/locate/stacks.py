@@ -333,8 +333,7 @@ def _with_lists_before(chain: list[str], others: list[str], calls: dict, order: 
     blocks hand on (a perceiver's latent blocks attending to the input, then more of them):
     their first block shows where the stream comes from (learned latents are refused)."""
     for path in sorted(others, key=lambda p: -order.get(calls[p][-1], -1)):
-        last, first = calls[path][-1], calls[chain[0]][0]
-        if last not in order or not (order[last] < order[first] and fed_by(first, last)):
+        if calls[path][-1] not in order:
             continue
         if _same_form(path, chain[0], calls) and _feeds_handed_slot(path, chain[0], calls):
             chain = [path, *chain]

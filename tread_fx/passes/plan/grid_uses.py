@@ -112,11 +112,12 @@ def _size_paths(node: fx.Node) -> tuple[int, list[tuple[int, ...]]] | None:
     return 0, [(j,) for j in range(1, len(node.args))]
 
 
-def _factorization(node: fx.Node, routable: int, flow_dim: int = -1) -> tuple[tuple, list] | None:
-    """(factors, their paths) where ``node`` splits a dim of ``routable`` tokens of its
-    input into 2 or 3 factors, each above 1; ``None`` when it does not. Where the input has
-    several dims of that size, the one data flow shows holds the tokens (``flow_dim``, from
-    :func:`~tread_fx.passes.plan.dim_flow.follow_dim`) is read; unknown, none is."""
+def _factorization(node: fx.Node, routable: int, flow_dim: int = -1) -> tuple | None:
+    """(factors, their paths, the input dim split) where ``node`` splits a dim of ``routable``
+    tokens of its input into 2 or 3 factors, each above 1; ``None`` when it does not. Where
+    the input has several dims of that size, the one data flow shows holds the tokens
+    (``flow_dim``, from :func:`~tread_fx.passes.plan.dim_flow.follow_dim`) is read; unknown,
+    none is."""
     shape, out = tensor_shape(node.args[0]) if node.args else None, tensor_shape(node)
     found = _size_paths(node) if shape and out and _name(node) in _RESHAPE else None
     if found is None or routable not in shape:
@@ -132,7 +133,7 @@ def _factorization(node: fx.Node, routable: int, flow_dim: int = -1) -> tuple[tu
     if first == -1:  # unflatten(dim, sizes)
         dim, factors = node.args[1] % len(shape), tuple(out[d : d + len(paths)])
         fits = dim == d and len(factors) in (2, 3) and min(factors) > 1
-        return (factors, paths) if fits else None
+        return (factors, paths, d) if fits else None
     if len(paths) != len(out):
         return None
     for i in range(len(out)):
@@ -140,7 +141,7 @@ def _factorization(node: fx.Node, routable: int, flow_dim: int = -1) -> tuple[tu
             if j <= len(out) and math.prod(out[:i]) == lo and math.prod(out[:j]) == hi:
                 factors = tuple(out[i:j])
                 if min(factors) > 1:
-                    return factors, paths[i:j]
+                    return factors, paths[i:j], d
     return None
 
 
@@ -174,22 +175,13 @@ def _class_uses(gm: fx.GraphModule, block: BlockCall, routable: int, token_dim: 
         flow_dim = flow.get(node.args[0], -1) if node.args else -1
         split = _factorization(node, routable, flow_dim) if node in data else None
         if split is not None:
-            factors, paths = split
+            factors, paths, split_dim = split
             sizes = [_at(node.args, p) for p in paths]
             sources = tuple(map(_source, sizes))
             slots = tuple(getattr(v, "slot", None) for v in sizes)
-            on_tokens = None if flow_dim == -1 else _split_dim(node, routable, flow_dim) == flow_dim
+            on_tokens = None if flow_dim == -1 else split_dim == flow_dim
             found.append((node.name, factors, sources, tuple(paths), inlinable, slots, on_tokens))
     return found
-
-
-def _split_dim(node: fx.Node, routable: int, flow_dim: int) -> int:
-    """The input dim of ``routable`` values the reshape ``node`` splits (``flow_dim`` where
-    several have that size and it is one of them)."""
-    shape = tensor_shape(node.args[0])
-    if sum(s == routable for s in shape) > 1 and shape[flow_dim] == routable:
-        return flow_dim
-    return shape.index(routable)
 
 
 def grid_uses(

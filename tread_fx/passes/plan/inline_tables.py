@@ -29,7 +29,9 @@ import operator
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.fx as fx
+import torch.nn.functional as F
 from torch import nn
 from torch.utils import _pytree as pytree
 
@@ -157,16 +159,14 @@ def _padded_by_computed_amounts(data: set[fx.Node]) -> set[fx.Node]:
         n
         for n in data
         if n.op == "call_function"
-        and getattr(n.target, "__name__", "") == "pad"
+        and n.target in _PADS
         and any(isinstance(a, fx.Node) for a in pytree.tree_leaves(n.args[1:]))
     ]
-    reached, todo = set(pads), list(pads)
-    while todo:
-        for user in todo.pop().users:
-            if user not in reached:
-                reached.add(user)
-                todo.append(user)
-    return reached
+    return set().union(*map(_forward, pads))
+
+
+#: ``F.pad`` and the C function it calls
+_PADS = (F.pad, torch._C._nn.pad)
 
 
 def _padded_table(block: BlockCall, table: fx.Node) -> str:

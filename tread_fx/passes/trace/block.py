@@ -147,10 +147,12 @@ def _trace_forward(module: nn.Module, example: Any, through_hooks: bool) -> Trac
     """``module``'s forward traced on ``example`` (its own hooks not run), or ``None``."""
     args, kwargs = example
     try:
-        return trace_call(module, tuple(args), dict(kwargs), set(), through_hooks)
+        traced = trace_call(module, tuple(args), dict(kwargs), set(), through_hooks)
     except Exception as err:  # noqa: BLE001 - a block that cannot be traced through stays one call
         _UNTRACED[module] = failure_reason(err)
         return None
+    _UNTRACED.pop(module, None)
+    return traced
 
 
 #: module -> what its last failed trace-through raised (:func:`untraced_reason`)

@@ -160,21 +160,13 @@ def functions_as_calls(tracer: Any, functions: set[type]) -> Iterator[None]:
     traced value, in the tracing thread only; elsewhere, and on real values, it is itself."""
     classes = {sub for f in functions for sub in (f, *_subclasses(f))}
 
-    def make(function: type) -> Callable:
-        def patch(previous: Callable) -> Callable:
-            def apply(*args: Any, **kwargs: Any) -> Any:
-                if not _traced(tracer, (args, kwargs)):
-                    return previous(*args, **kwargs)  # real values: the Function itself
-                target = FunctionApply.of(function)
-                return tracer.create_proxy("call_function", target, args, kwargs)
-
-            return apply
-
-        return patch
-
     patches = []
     for cls in sorted(classes, key=id):
-        patches += [(cls, "apply", make(cls)), (cls, "forward", _forward_as_call(tracer, cls))]
+        target, takes_ctx = FunctionApply.of(cls), not _has_setup_context(cls)
+        patches += [
+            (cls, "apply", _recorded_as(tracer, target)),  # real values: the Function itself
+            (cls, "forward", _recorded_as(tracer, target, skip_first=takes_ctx)),
+        ]
         if _has_setup_context(cls):
             patches.append((cls, "setup_context", _setup_skipped_on_proxies(tracer)))
     with thread_local_patches(patches):
@@ -194,21 +186,21 @@ def _has_setup_context(function: type) -> bool:
     )
 
 
-def _forward_as_call(tracer: Any, function: type) -> Callable:
-    """``function.forward`` that records one :class:`FunctionApply` node when handed traced
-    values: ``F.apply`` stored before the trace (``scale = F.apply``, ``self.fn = F.apply``)
-    is not the patched class attribute, but torch's ``apply`` calls the class's ``forward``,
-    and hands on what it returns (a proxy is no tensor: passed through untouched)."""
-    takes_ctx = not _has_setup_context(function)
+def _recorded_as(tracer: Any, target: Callable, skip_first: bool = False) -> Callable:
+    """A patch that records one ``call_function`` node of ``target`` when handed traced values
+    and calls what it replaces otherwise. For a Function's ``forward`` (``skip_first``: its
+    ctx is not an input): ``F.apply`` stored before the trace (``scale = F.apply``) is not the
+    patched class attribute, but torch's ``apply`` calls the class's ``forward`` and hands on
+    what it returns (a proxy is no tensor: passed through untouched)."""
 
     def patch(previous: Callable) -> Callable:
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            inputs = args[1:] if takes_ctx else args
+        def call(*args: Any, **kwargs: Any) -> Any:
+            inputs = args[1:] if skip_first else args
             if not _traced(tracer, (inputs, kwargs)):
                 return previous(*args, **kwargs)
-            return tracer.create_proxy("call_function", FunctionApply.of(function), inputs, kwargs)
+            return tracer.create_proxy("call_function", target, inputs, kwargs)
 
-        return forward
+        return call
 
     return patch
 
@@ -233,20 +225,8 @@ def leaf_functions_held_by_modules(tracer: Any, model: nn.Module) -> Iterator[No
     ``self.op(x)``) records one node like the global it also is: the global is patched by fx,
     the attribute refers to the function itself. Patched for the tracing thread only."""
     ids = getattr(tracer, "leaf_function_ids", set())
-
-    def make(function: Callable) -> Callable:
-        def patch(previous: Callable) -> Callable:
-            def call(*args: Any, **kwargs: Any) -> Any:
-                if not _traced(tracer, (args, kwargs)):
-                    return previous(*args, **kwargs)
-                return tracer.create_proxy("call_function", function, args, kwargs)
-
-            return call
-
-        return patch
-
     patches = [
-        (module, name, make(value))
+        (module, name, _recorded_as(tracer, value))
         for module in model.modules()
         for name, value in list(vars(module).items())
         if callable(value) and id(value) in ids
