@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 __all__ = ["VIDEO_ROLES", "VideoDraw", "draw_video", "video_features"]
 
 VIDEO_ROLES = ("spatial", "temporal", "frame_pos", "v_fold")
+_FOLDS = ("reshape", "reshape_read", "einops", "einops_b")
 
 
 @dataclass
@@ -56,8 +57,10 @@ class VideoDraw:
 
     Attributes:
         frames: Frames ``F``.
-        fold: How the model refolds between the stacks: ``reshape`` (reshape/transpose) or
-            ``einops`` (``einops.rearrange``).
+        fold: How the model refolds between the stacks: ``reshape`` (reshape/transpose with
+            the frame count read from the input), ``reshape_read`` (every size read from the
+            stream), ``einops`` (``einops.rearrange`` told the frame count) or ``einops_b``
+            (told the batch).
         loop: ``zip`` (``for s, t in zip(spatial, temporal)``) or ``index`` (``range``).
         frame_pos: A learned ``[1, F, D]`` frame embedding added before the first temporal
             block.
@@ -89,7 +92,7 @@ def draw_video(d: Draw) -> None:
         h, w = 4, rng.choice([4, 6])
         frames = rng.choice([2, 3])
     d.video = VideoDraw(
-        frames=frames, fold=rng.choice(["reshape", "einops"]), loop=rng.choice(["zip", "index"]),
+        frames=frames, fold=rng.choice(_FOLDS), loop=rng.choice(["zip", "index"]),
         frame_pos=rng.random() < 0.5, cond=rng.choice(["adaln", "adaln", "added"]),
     )  # fmt: skip
     d.input_kind = rng.choice(["video_conv", "video_linear"])

@@ -172,14 +172,14 @@ def _folds(d: Draw, twin: bool) -> tuple[str, str]:
     """(to the temporal form, back to the spatial form). The model's code reads the frame
     count it was given; the twin's reads every size from the stream (a route over the
     temporal stack runs the spatial blocks on the kept frames)."""
-    w = d.width
-    if d.video.fold == "einops":
-        by = "b=b" if twin else "f=f"
+    w, fold = d.width, d.video.fold
+    if fold.startswith("einops"):
+        by = "b=b" if twin or fold == "einops_b" else "f=f"
         return (
             f"x = einops.rearrange(x, '(b f) n d -> (b n) f d', {by})",
             "x = einops.rearrange(x, '(b n) f d -> (b f) n d', b=b)",
         )
-    if twin:
+    if twin or fold == "reshape_read":
         return (
             f"x = x.reshape(b, -1, x.shape[1], {w}).transpose(1, 2)"
             f".reshape(-1, x.shape[0] // b, {w})",
