@@ -44,12 +44,17 @@ __all__ += ["COUNTED_ENV", "merge", "write"]
 
 DEFAULT_MODELS = "dit-s2,dit-b2,mamba,mamba-rows,rwkv,rwkv-random"
 TARGET = 1.01  # route() / hand-written instructions per step
-# Under valgrind, MKL's AVX2 (FMA) sgemm ran ~3,000x slower than natively (a DiT-S/2 step did not
-# finish in an hour), its SSE4.2 kernel ~20x: the counted process takes the kernels of a machine
-# without AVX2 (MKL, oneDNN, ATen's dispatch), the same for every variant.
-COUNTED_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
-COUNTED_ENV |= {"MKL_ENABLE_INSTRUCTIONS": "SSE4_2", "ONEDNN_MAX_CPU_ISA": "SSE41"}
-COUNTED_ENV |= {"ATEN_CPU_CAPABILITY": "default"}
+# Under valgrind, MKL's AVX2 (FMA) sgemm ran ~3,000x slower than natively (a DiT-S/2 step never
+# reached its count in 1 h 47 min), its SSE4.2 kernel ~20x: the counted process takes the kernels
+# of a machine without AVX2 (MKL, oneDNN, ATen's dispatch), the same for every variant.
+COUNTED_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "PYTHONHASHSEED": "0",
+    "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
+    "ONEDNN_MAX_CPU_ISA": "SSE41",
+    "ATEN_CPU_CAPABILITY": "default",
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -95,8 +95,8 @@ def test_client_requests_count_only_the_code_between_them(tmp_path):
 
 
 def test_the_counted_process_takes_kernels_without_avx2():
-    # under valgrind MKL's AVX2 sgemm ran ~3,000x slower than natively: a DiT-S/2 step did not
-    # finish in an hour; the counted process must dispatch to the kernels of an older CPU
+    # under valgrind MKL's AVX2 sgemm ran ~3,000x slower than natively: a DiT-S/2 step never
+    # reached its count; the counted process must dispatch to the kernels of an older CPU
     probe = "import torch; print(torch.backends.cpu.get_cpu_capability())"
     env = {**os.environ, **instructions.COUNTED_ENV}
     run = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
