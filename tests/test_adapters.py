@@ -232,13 +232,15 @@ class _NumpyInForwardBlock(_Block):
 
 
 def test_a_refusal_says_why_a_block_could_not_be_traced_through():
-    """No block receiving the value could be traced through: the message names what the
-    block's trace raised and where (before: only that none could be)."""
+    """No block receiving the value shows its use (each is traced only up to its first line):
+    the message names what the block's trace raised and where (before: only that none
+    could be)."""
     model = _TableModel(shared=False)
     model.blocks = torch.nn.ModuleList(_NumpyInForwardBlock() for _ in range(4))
     tread_fx.route(model, routes=[(1, 3)], seed=0).train()
     with pytest.raises(
         SideInputError,
-        match=r"(?s)blocks\.\d \(could not be traced through: .*numpy.* at .*test_adapters.py:\d+",
+        match=r"(?s)blocks\.\d \(traced through only up to the line that stopped it: .*numpy.* at "
+        r".*test_adapters.py:\d+",
     ):
         model(*_inputs(False))

@@ -108,6 +108,8 @@ class SideValue:
             ``"context"``, ``"none"``, ``"unknown"``: it meets the stream only inside a
             leaf module), or ``None`` when no block receiving it could be traced through.
         reaches: Names of the block ops that read it first (for refusal messages).
+        stopped: ``path (what stopped it)`` of each receiving block traced only in part: ``use``
+            is read from its code before that line (a warning says so).
         primary: The model input the routed stream comes from (ties between table parts
             of N rows go to the part computed from it).
         batch_broadcast: The stream's batch dim, where the value has size 1 there and every
@@ -126,6 +128,7 @@ class SideValue:
     from_inputs: bool = False
     use: str | None = None
     reaches: frozenset[str] = frozenset()
+    stopped: frozenset[str] = frozenset()
     primary: fx.Node | None = None
     batch_broadcast: int | None = None
 

@@ -177,6 +177,7 @@ def side_value(
         or any(a.op == "placeholder" for a in data_ancestors(node, set())),
         use=use.value if use is not None else None,
         reaches=reaches,
+        stopped=_stopped(receiving),
         batch_broadcast=batch_broadcast(node, region, stream_start, layout),
         primary=info.primary,
     )
@@ -192,12 +193,26 @@ def _in_blocks(node: fx.Node, receiving: dict, modules: dict) -> tuple[Use | Non
         if found is not None:
             uses |= {u for (n, _), u in found.tensors.items() if n is node}
             ops |= {op for (n, _), names in found.ops.items() if n is node for op in names}
-        elif (reason := untraced_reason(modules[call])) is not None:
+        if (found is None or found.stopped) and (reason := untraced_reason(modules[call])):
             path = str(call.target).removeprefix(MODEL_PREFIX)
-            ops.add(f"{path} (could not be traced through: {reason})")
-    if any(u is None for u in receiving.values()):
+            how = (
+                "could not be traced through"
+                if found is None
+                else "traced through only up to the line that stopped it"
+            )
+            ops.add(f"{path} ({how}: {reason})")
+    if any(u is None or u.stopped for u in receiving.values()):
         uses.discard(Use.NONE)  # a block that could not be traced through may use it
     return strongest(uses), frozenset(ops)
+
+
+def _stopped(receiving: dict) -> frozenset[str]:
+    """``path: what stopped it`` of each receiving block traced only in part."""
+    return frozenset(
+        f"{str(call.target).removeprefix(MODEL_PREFIX)} ({found.stopped})"
+        for call, found in receiving.items()
+        if found is not None and found.stopped
+    )
 
 
 def _names_holding(block: Any, user: fx.Node, node: fx.Node) -> set[str]:
@@ -326,7 +341,7 @@ def count_arguments(
         ]  # fmt: skip
         if suffix:
             counts.append(("the never-routed suffix of the stream", suffix, suffix))
-        traced = uses.get(block.node) is not None
+        traced = uses.get(block.node) is not None and not uses[block.node].stopped
         counts += [] if traced else others  # traced: a count sizes the stream's own tokens
         values = dict(argument_items(block.node))
         for slot, number in int_arguments(block.node):
@@ -415,13 +430,15 @@ def _unseen(block: BlockCall, name: str, number: int, call: str, matches: list) 
 
 def sizes_tokens(uses: dict, node: fx.Node, slot: tuple) -> bool:
     """Whether the block call ``node`` uses the int in ``slot`` as a token count (it sizes,
-    slices or splits a token dim); in a block that cannot be traced through, any int may.
+    slices or splits a token dim); in a block that cannot be traced through (or only in part),
+    any int may.
 
     Example:
         >>> sizes_tokens({}, None, ("arg", 2))
         True
     """
-    return uses.get(node) is None or slot in uses[node].counts
+    found = uses.get(node)
+    return found is None or bool(found.stopped) or slot in found.counts
 
 
 def _guessed(block: BlockCall, name: str, number: int) -> str:

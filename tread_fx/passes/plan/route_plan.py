@@ -58,7 +58,7 @@ from tread_fx.passes.plan.region_uses import (
     side_value,
     sizes_tokens,
 )
-from tread_fx.passes.plan.uses import how_used, op_name, shape_warning
+from tread_fx.passes.plan.uses import how_used, op_name, partial_warning, shape_warning
 from tread_fx.passes.trace.tracer import LEAF_REASON_KEY, TensorMeta
 from tread_fx.routes import Route
 from tread_fx.runtime.selection import Strategy, kept_units
@@ -201,6 +201,9 @@ def _classify_entering(side: SideValue, users, carried_slot, family, strict: boo
             if adapter.builtin and adapter.by_shape_only:
                 reason += " (by its shape: its use is not seen)"
                 warn_at_caller(shape_warning(side, adapter.name))
+            elif side.stopped and side.use is not None:
+                reason += " (its use read from blocks traced in part)"
+                warn_at_caller(partial_warning(side, adapter.name))
             shares, segments = adapter.shares_selection, adapter.segments
             return Crossing(node, adapter.action, reason, users, None, options, shares, segments)
     notes = [f"{a.name}: {n}" for a in adapters() if a.diagnose and (n := a.diagnose(side))]

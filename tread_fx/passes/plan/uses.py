@@ -82,6 +82,7 @@ __all__ = [
     "call_uses",
     "strongest",
     "how_used",
+    "partial_warning",
     "shape_warning",
 ]
 
@@ -122,12 +123,16 @@ class BlockUses:
             tread_fx does not see into (a library function such as einops' ``rearrange``, a
             leaf module) -> that call's name: they may size a token dim
             (:func:`unseen_count_slots`).
+        stopped: ``None``, or what stopped the trace of a block traced only in part: its uses
+            are those of the code before that line (an input it shows no use of there is
+            ``None``, not :attr:`Use.NONE`), and its int arguments count as unseen.
     """
 
-    tensors: dict[tuple, Use]
+    tensors: dict[tuple, Use | None]
     counts: set[tuple]
     ops: dict[tuple, frozenset[str]]
     unseen: dict[tuple, str] = field(default_factory=dict)
+    stopped: str | None = None
 
 
 def _forward(start: fx.Node, within: set[fx.Node] | None = None) -> set[fx.Node]:
@@ -259,10 +264,12 @@ def _module_use(module: nn.Module, node: fx.Node, reach: set, seen: tuple) -> Us
     return Use.UNKNOWN if theirs else None
 
 
-def _classify_tensor(start: fx.Node, stream: set[fx.Node], ctx) -> Use:
+def _classify_tensor(start: fx.Node, stream: set[fx.Node], ctx, whole: bool = True) -> Use | None:
+    """The strongest use of ``start`` in the block's graph; none found is :attr:`Use.NONE` in a
+    ``whole`` trace, ``None`` (unseen) in a partial one."""
     reach = _forward(start)
     found = {u for n in reach if (u := _tensor_use(n, reach, stream, ctx)) is not None}
-    return strongest(found) or Use.NONE
+    return strongest(found) or (Use.NONE if whole else None)
 
 
 def _joined_lengths(graph: fx.Graph, stream: set[fx.Node], tokens: set[int]) -> set[int]:
@@ -315,7 +322,7 @@ def _class_uses(gm, node: fx.Node, stream_at, example: Any, leaves, tokens, toke
     """(use per flat tensor position, count slots, first ops) of one module class called at
     ``node``, whose flat tensor inputs at ``stream_at`` carry the stream, or ``None``."""
     module = gm.get_submodule(node.target)
-    traced = trace_through(module, tagged_example(example, node), inlined=False)
+    traced = trace_through(module, tagged_example(example, node), inlined=False, partial=True)
     if traced is None:
         return None
     placeholders = [n for n in traced.gm.graph.nodes if n.op == "placeholder"]
@@ -326,14 +333,15 @@ def _class_uses(gm, node: fx.Node, stream_at, example: Any, leaves, tokens, toke
         tokens = tokens | ({own[token_dim]} if own and token_dim < len(own) else set())
     stream, ctx = _stream_context(traced.gm, stream_at, tokens)
     tokens = ctx[0]
+    whole = traced.stopped is None
     uses = [
-        Use.TABLE if i in stream_at else _classify_tensor(ph, stream, ctx)
+        Use.TABLE if i in stream_at else _classify_tensor(ph, stream, ctx, whole)
         for i, ph in enumerate(placeholders)
     ]
     counts = set().union(*(count_slots(n, tokens) for n in stream if n.op != "placeholder"))
     unseen = {k: v for n in stream for k, v in unseen_count_slots(n).items() if k not in counts}
     ops = [frozenset(op_name(u) for u in ph.users) for ph in placeholders]
-    return uses, counts, ops, unseen
+    return uses, counts, ops, unseen, traced.stopped
 
 
 def call_uses(
@@ -368,8 +376,8 @@ def call_uses(
         by_class[key] = _class_uses(gm, node, stream_at, example, leaves, tokens, token_dim)
     if by_class[key] is None:
         return None
-    uses, counts, ops, unseen = by_class[key]
-    return BlockUses(dict(zip(leaves, uses)), counts, dict(zip(leaves, ops)), unseen)
+    uses, counts, ops, unseen, stopped = by_class[key]
+    return BlockUses(dict(zip(leaves, uses)), counts, dict(zip(leaves, ops)), unseen, stopped)
 
 
 def strongest(uses: set[Use | None]) -> Use | None:
@@ -395,6 +403,21 @@ def shape_warning(side: SideValue, rule: str) -> str:
         f"cut to the kept tokens.{how_used(side)} If it is not per token (another sequence "
         "of the same length, a per-sample value), register a tread_fx.adapters.Adapter for "
         "it (action 'pass')."
+    )
+
+
+def partial_warning(side: SideValue, rule: str) -> str:
+    """The warning for a value whose use was read from blocks traced only in part.
+
+    Example:
+        >>> # see tests/test_partial_block_trace.py (a numpy round trip after the table's use)
+    """
+    return (
+        f"value '{side.node.name}' (received as {sorted(side.arg_names)}) was taken for "
+        f"{side.use} values (rule '{rule}') from the part of "
+        f"{', '.join(sorted(side.stopped))} traced before that line; a use after it is not "
+        "seen. If it is used otherwise there, register a tread_fx.adapters.Adapter for it, or "
+        "make that code a leaf (tread_fx.register_leaf_function or register_leaf_module)."
     )
 
 

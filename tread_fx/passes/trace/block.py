@@ -123,18 +123,22 @@ def example_of(gm: fx.GraphModule, node: fx.Node) -> tuple[Any, list] | None:
     return None
 
 
-def trace_through(module: nn.Module, example: Any, *, inlined: bool) -> TracedCall | None:
+def trace_through(
+    module: nn.Module, example: Any, *, inlined: bool, partial: bool = False
+) -> TracedCall | None:
     """``module`` (a routed block) traced through on its example inputs, or ``None``.
 
     A block to be ``inlined`` has no hooks in any part (inlining would skip them) and reads no
     tensor data (its guards would check another block's data). For its graph only
     (``inlined=False``), hooks and data guards are fine: parts with hooks are traced from
     inside a real call of each, and so is a block whose forward cannot run outside its own call
-    (the hooks run once more, without gradients).
+    (the hooks run once more, without gradients). With ``partial``, a block whose own code
+    stops the trace at a line no leaf can get past gives the part traced before that line
+    (``stopped`` says why): read for uses only.
     """
     if inlined and any(has_call_hooks(m) for m in module.modules()):
         return None
-    traced = _trace_forward(module, example, through_hooks=not inlined)
+    traced = _trace_forward(module, example, not inlined, partial and not inlined)
     if traced is None and not inlined and has_call_hooks(module):
         traced = _trace_inside_call(module, example)
     guarded = traced is not None and any(
@@ -143,14 +147,17 @@ def trace_through(module: nn.Module, example: Any, *, inlined: bool) -> TracedCa
     return None if inlined and guarded else traced
 
 
-def _trace_forward(module: nn.Module, example: Any, through_hooks: bool) -> TracedCall | None:
-    """``module``'s forward traced on ``example`` (its own hooks not run), or ``None``."""
+def _trace_forward(
+    module: nn.Module, example: Any, through_hooks: bool, partial: bool = False
+) -> TracedCall | None:
+    """``module``'s forward traced on ``example`` (its own hooks not run), or ``None``; with
+    ``partial``, the part traced before a line that stopped it, if any."""
     args, kwargs = example
     try:
         traced = trace_call(module, tuple(args), dict(kwargs), set(), through_hooks)
     except Exception as err:  # noqa: BLE001 - a block that cannot be traced through stays one call
         _UNTRACED[module] = failure_reason(err)
-        return None
+        return getattr(err, "partial", None) if partial else None
     _UNTRACED.pop(module, None)
     return traced
 
@@ -176,7 +183,7 @@ def _trace_inside_call(module: nn.Module, example: Any) -> TracedCall | None:
     found: list[TracedCall | None] = []
 
     def trace_here(hooked: nn.Module, args: tuple, kwargs: dict) -> None:
-        found.append(_trace_forward(hooked, (args, kwargs), through_hooks=True))
+        found.append(_trace_forward(hooked, (args, kwargs), True))
 
     args, kwargs = example
     handle = module.register_forward_pre_hook(trace_here, with_kwargs=True)

@@ -29,6 +29,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from tread_fx.adapters.values import TensorMeta
+from tread_fx.errors import UntraceableModelError
 from tread_fx.passes.trace.mutation import (
     defining_modules,
     drop_unused_sizes,
@@ -93,6 +94,9 @@ class TracedCall:
         tensor_positions: Indices of the tensor leaves among the flattened inputs.
         out_spec: Pytree spec of the model's return value.
         auto_leaves: Paths of submodules made leaves (they could not be traced): the reason.
+        stopped: ``None`` for a whole trace; for the part traced before a line no leaf could
+            get past (``UntraceableModelError.partial``), what stopped it. Such a graph is read
+            for how the call uses its inputs, never run.
     """
 
     gm: fx.GraphModule
@@ -101,6 +105,7 @@ class TracedCall:
     tensor_positions: tuple[int, ...]
     out_spec: pytree.TreeSpec
     auto_leaves: dict[str, str] = field(default_factory=dict)
+    stopped: str | None = None
 
 
 class FlatCall(nn.Module):
@@ -137,6 +142,29 @@ def _flat_forward(num_tensors: int):
     source = f"def forward(self, {names}):\n    return self.call_model(({names}))\n"
     exec(source, namespace)  # noqa: S102 - generated signature only
     return namespace["forward"]
+
+
+def _stuck(
+    model: nn.Module, err: DataDependentError, tracer: Any, call: tuple, auto_leaves: dict
+) -> UntraceableModelError:
+    """The refusal of a trace no new leaf can get past, holding as ``partial`` the part traced
+    before the line that stopped it (a :class:`TracedCall` whose ``stopped`` says why), or
+    ``None``: how a block uses its side inputs up to there is still seen."""
+    error = untraceable_error(model, err)
+    error.partial = None
+    graph, wrapper = getattr(tracer, "graph", None), getattr(tracer, "root", None)
+    if graph is None or not isinstance(wrapper, FlatCall):
+        return error
+    with contextlib.suppress(Exception):  # a graph left unfit for reading: no partial uses
+        graph.output(None)
+        thread_inplace(graph)
+        gm = fx.GraphModule(wrapper, graph, class_name=type(model).__name__ + "Partial")
+        name_placeholders(gm.graph, call, wrapper.tensor_positions)
+        mark_leaf_reasons(gm.graph, auto_leaves)
+        spec, positions = wrapper.in_spec, wrapper.tensor_positions
+        stopped = failure_reason(error)
+        error.partial = TracedCall(gm, wrapper, spec, positions, None, auto_leaves, stopped)
+    return error
 
 
 def _new_leaf(path: str | None, auto_leaves: dict[str, str]) -> str | None:
@@ -223,7 +251,7 @@ def trace_call(
         except OpaqueFunctionError as err:
             if err.function in opaque:  # called as one node already: no progress
                 stuck = DataDependentError(str(err), None, err.where)
-                raise untraceable_error(model, stuck) from None
+                raise _stuck(model, stuck, tracer, (args, kwargs), auto_leaves) from None
             opaque.add(err.function)
             function_reasons[FunctionApply.of(err.function)] = failure_reason(err)
         except DataDependentError as err:
@@ -232,7 +260,7 @@ def trace_call(
                 function_reasons[auto_functions[-1]] = failure_reason(err)
                 continue  # ``t.numpy()`` in a helper function of the model's code: a leaf
             if leaf is None:
-                raise untraceable_error(model, err) from None
+                raise _stuck(model, err, tracer, (args, kwargs), auto_leaves) from None
             auto_leaves[leaf] = f"{err.what} at {err.where}"
         except Exception as err:  # fx limitation inside a submodule: make it a leaf
             library_fn = library_function_of(err, model_files)
@@ -244,8 +272,8 @@ def trace_call(
                 function_reasons[auto_functions[-1]] = failure_reason(err)
                 continue  # C code that rejects a traced value, in a helper function
             if leaf is None:  # no submodule of the model left to make a leaf: no progress
-                where = traceback_location(err)
-                raise untraceable_error(model, DataDependentError(str(err), None, where)) from None
+                stuck = DataDependentError(str(err), None, traceback_location(err))
+                raise _stuck(model, stuck, tracer, (args, kwargs), auto_leaves) from None
             auto_leaves[leaf] = failure_reason(err)
     thread_inplace(graph)
     drop_unused_sizes(graph)
