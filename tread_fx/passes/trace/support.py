@@ -27,7 +27,6 @@ import contextlib
 import functools
 import inspect
 import os
-import random
 import re
 import sys
 import types
@@ -48,7 +47,6 @@ from tread_fx.stages import own_file
 __all__ = [
     "DataDependentError",
     "user_frame",
-    "refuse_python_random",
     "checkpoint_as_plain_call",
     "python_modules",
     "call_python_modules",
@@ -67,59 +65,39 @@ __all__ = [
     "traced_values_are_tensors",
 ]
 
-_PYTHON_RANDOM = ("random", "uniform", "randint", "randrange", "choice", "sample", "shuffle")
-# tensor methods taking sizes as varargs, called on a real (constant) tensor with traced sizes
-_SIZE_METHODS = ("expand", "view", "reshape", "repeat", "tile", "new_zeros", "new_ones", "new_full")
 _CHECKPOINT_OPTIONS = (
     "use_reentrant", "preserve_rng_state", "determinism_check", "debug", "context_fn"
 )  # fmt: skip
-# torch's argument parser reads these sizes (rejects a traced first size, or calls its
-# ``__index__``) before a TorchFunctionMode sees the call: only a patch of the name records them
-_FACTORIES = ("ones", "zeros", "empty", "full", "rand", "randn", "randint")
-# these reach a TorchFunctionMode with their traced arguments unread: the mode records them
-_MODE_FACTORIES = (torch.arange, torch.tensor, torch.as_tensor)
+# factories of a graph value even with constant sizes (a draw is never baked in as a constant)
+_RANDOM = frozenset(map(id, (torch.rand, torch.randn, torch.randint)))
 
 
 def factories_take_proxies(tracer: Any) -> AbstractContextManager:
-    """Record ``torch.ones(b, n)`` and ``t.expand(b, -1)`` with traced sizes as graph calls
-    (torch's argument parser rejects proxies as varargs sizes before ``__torch_function__``
-    sees them), and random factories always, so a draw is never baked in as a constant.
-    ``torch.arange``, ``torch.tensor`` and ``torch.as_tensor`` are recorded by a
-    ``TorchFunctionMode`` of the tracing thread instead: other threads see them unchanged."""
-    random_factories = {"rand", "randn", "randint"}  # never baked in as constants
+    """Record ``torch.ones(b, n)``, ``torch.arange(n)``, ``torch.tensor([n, 1])`` and
+    ``t.expand(b, -1)`` with traced sizes (``n`` from a shape) as graph calls, and random
+    factories always, so a draw is never baked in as a constant.
 
-    def wrap(name: str, method: bool):
-        def make(fn):
-            def call(*args: Any, **kwargs: Any) -> Any:
-                sizes = pytree.tree_leaves((args[1:] if method else args, kwargs))
-                traced = any(isinstance(a, fx.Proxy) for a in sizes) or name in random_factories
-                if tracer.running_eager or not traced:
-                    return fn(*args, **kwargs)
-                if method:  # called on a real tensor: ``self`` is the first argument
-                    return tracer.create_proxy("call_method", name, args, kwargs)
-                return tracer.create_proxy("call_function", unpatched(torch, name), args, kwargs)
+    A ``TorchFunctionMode`` of the tracing thread does it: other threads see every function
+    unchanged. It records every torch call handed a traced value that would not reach the
+    proxies' own ``__torch_function__`` (one in a list, a size among varargs:
+    :mod:`.thread_calls`), as that would.
 
-            return call
-
-        return make
-
-    functions = [(torch, name, wrap(name, method=False)) for name in _FACTORIES]
-    methods = [(torch.Tensor, name, wrap(name, method=True)) for name in _SIZE_METHODS]
-    return _together(thread_local_patches(functions + methods), _FactoryMode(tracer))
-
-
-@contextlib.contextmanager
-def _together(*managers: AbstractContextManager) -> Iterator[None]:
-    """Enter ``managers`` in order (a mode is per thread: entering it replaces nothing)."""
-    with contextlib.ExitStack() as stack:
-        for manager in managers:
-            stack.enter_context(manager)
-        yield
+    Example:
+        >>> from tread_fx.passes.trace.tracer import trace_call
+        >>> class Ones(torch.nn.Module):
+        ...     def forward(self, x):
+        ...         return x + torch.ones(x.shape[0], 1)
+        >>> traced = trace_call(Ones(), (torch.zeros(2, 3),), {}, leaf_paths=set())
+        >>> torch.ones in [n.target for n in traced.gm.graph.nodes]
+        True
+    """
+    return _FactoryMode(tracer)
 
 
 class _FactoryMode(TorchFunctionMode):
-    """Record ``torch.arange(n)``, ``torch.tensor([n, 1])`` of traced values (``n`` from a
-    shape) as graph calls; every other call, and eager code's, runs as it is."""
+    """Record torch calls handed traced values the proxies do not see (see
+    :func:`factories_take_proxies`), and random factories; every other call, and eager
+    code's, runs as it is."""
 
     def __init__(self, tracer: Any) -> None:
         super().__init__()
@@ -127,10 +105,14 @@ class _FactoryMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: D105
         kwargs = kwargs or {}
-        if func in _MODE_FACTORIES and not self.tracer.running_eager:  # cheap tests first
-            leaves = pytree.tree_leaves((args, kwargs))  # every torch call passes here
-            if any(isinstance(a, fx.Proxy) and a.tracer is self.tracer for a in leaves):
-                return self.tracer.create_proxy("call_function", func, args, kwargs)
+        self.tracer.sizes_call = None  # parsed: the proxies take part again
+        if self.tracer.running_eager or any(issubclass(t, fx.Proxy) for t in types):
+            return func(*args, **kwargs)  # eager code, or the proxies record it themselves
+        leaves = pytree.tree_leaves((args, kwargs))
+        if any(isinstance(a, fx.Proxy) and a.tracer is self.tracer for a in leaves):
+            return fx.Proxy.__torch_function__(func, types, args, kwargs)
+        if id(func) in _RANDOM:
+            return self.tracer.create_proxy("call_function", func, args, kwargs)
         return func(*args, **kwargs)
 
 
@@ -167,23 +149,6 @@ def user_frame() -> str:
         if not (filename.startswith(torch_dir) or own_file(filename) or "contextlib" in filename):
             return f"{frame_info.filename}:{frame_info.lineno}"
     return "<unknown location>"
-
-
-def refuse_python_random(tracer: Any) -> AbstractContextManager:
-    """Make Python-level random draws made by traced (not eager) code refuse to be baked in."""
-
-    def guard(name: str):
-        def make(original):
-            def draw(*args: Any, **kwargs: Any) -> Any:
-                if not tracer.running_eager:
-                    raise DataDependentError.at(f"Python-level randomness (random.{name})", tracer)
-                return original(*args, **kwargs)
-
-            return draw
-
-        return make
-
-    return thread_local_patches((random, name, guard(name)) for name in _PYTHON_RANDOM)
 
 
 def checkpoint_as_plain_call(tracer: Any, model: nn.Module) -> AbstractContextManager:

@@ -73,8 +73,25 @@ class EagerFailure(Exception):
         self.original = original
 
 
+class _TorchFunction:
+    """``ValueProxy.__torch_function__``: fx's, except on a proxy of an ``int`` while the
+    tracing thread calls a function taking sizes as varargs (``torch.ones(b, n)``, see
+    :mod:`.thread_calls`): torch's argument parser rejects a first vararg that has one, so it
+    has none, and the tracing thread's ``TorchFunctionMode`` records the call."""
+
+    def __get__(self, proxy: Any, cls: type) -> Any:
+        fx_function = vars(fx.Proxy)["__torch_function__"].__get__(proxy, cls)
+        if proxy is None or getattr(proxy.tracer, "sizes_call", None) is None:
+            return fx_function
+        if type(proxy.tracer.values.get(proxy.node)) is not int:
+            return fx_function
+        return torch._C._disabled_torch_function_impl
+
+
 class ValueProxy(fx.Proxy):
     """A proxy that also knows the value the eager forward computes at this point."""
+
+    __torch_function__ = _TorchFunction()
 
     @property
     def value(self) -> Any:
@@ -180,6 +197,7 @@ class ValueTracer(fx.Tracer):
         self.autograd_reads: set[fx.Node] = set()  # ``x.requires_grad``: not what training sees
         self.module_stack: list[str] = []
         self.running_eager = 0
+        self.sizes_call: Any = None  # the C call taking sizes as varargs now parsed
         self.checkpointed: set[int] = set()
         self.example_classes: set[tuple] = set()
         self.through_hooks = through_hooks
