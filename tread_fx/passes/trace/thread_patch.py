@@ -7,7 +7,7 @@ replaces process-wide names while it runs (``torch.ones``, ``random.random``,
 *dispatcher* (reference-counted, removed when the last patch of that name ends) that calls the
 replacement in a thread that entered the patch and the original elsewhere, so a data-loading
 thread calling ``random.random()`` during a first routed call sees the real one.
-:func:`fx_patches_in_this_thread` sends torch.fx's own patching through it too, and
+:func:`trace_patching_this_thread` sends torch.fx's own patching through it too, and
 :data:`TRACING_LOCK` lets one thread trace at a time; routed calls that do not trace never take it.
 """
 
@@ -15,16 +15,21 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import inspect
+import sys
 import threading
+import types
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+import torch.fx as fx
 import torch.fx._symbolic_trace as fx_trace
+from torch import nn
 
 __all__ = [
     "thread_local_patch",
     "thread_local_patches",
-    "fx_patches_in_this_thread",
+    "trace_patching_this_thread",
     "TRACING_LOCK",
     "is_dispatcher",
     "unpatched",
@@ -193,9 +198,19 @@ class _ThreadPatcher(fx_trace._Patcher):
         self.visited.clear()
 
 
-@contextlib.contextmanager
-def fx_patches_in_this_thread() -> Iterator[None]:
-    """Make ``fx.Tracer.trace`` in this thread patch (``_new_patcher``) only for this thread,
-    so another thread calling any ``nn.Module`` during the trace runs the real ``__call__``."""
-    with thread_local_patch(fx_trace, "_new_patcher", lambda previous: _ThreadPatcher):
-        yield
+def trace_patching_this_thread(tracer: fx.Tracer, root: nn.Module) -> fx.Graph:
+    """``tracer.trace(root)``, whose patches (``nn.Module.__call__`` ...) go through
+    :func:`thread_local_patch`, so another thread calling any ``nn.Module`` during the trace
+    runs the real ``__call__``.
+
+    fx's own ``Tracer.trace`` code runs, with a copy of its module's globals in which
+    ``_new_patcher`` makes this thread's patcher: no name of fx's module is replaced. Where
+    dynamo has wrapped ``Tracer.trace`` (``disable``, once a first ``torch.compile`` imported
+    it), the copy is wrapped alike.
+    """
+    namespace = {**vars(fx_trace), "_new_patcher": _ThreadPatcher}
+    trace = inspect.unwrap(fx.Tracer.trace)
+    run = types.FunctionType(trace.__code__, namespace, trace.__name__, trace.__defaults__)
+    if fx.Tracer.trace is not trace:
+        run = sys.modules["torch._dynamo"].disable(run)
+    return run(tracer, root)

@@ -59,7 +59,7 @@ from tread_fx.passes.trace.support import (
     untraceable_error,
 )
 from tread_fx.passes.trace.thread_calls import watch_thread_calls
-from tread_fx.passes.trace.thread_patch import TRACING_LOCK, fx_patches_in_this_thread
+from tread_fx.passes.trace.thread_patch import TRACING_LOCK, trace_patching_this_thread
 from tread_fx.passes.trace.value_tracer import EagerFailure, ValueTracer, fetch_attr
 
 __all__ = [
@@ -298,7 +298,6 @@ def trace_restoring_state(
         try:
             with (
                 torch.random.fork_rng(devices=devices),
-                fx_patches_in_this_thread(),
                 factories_take_proxies(tracer),
                 watch_thread_calls(tracer),
                 checkpoint_as_plain_call(tracer, model),
@@ -307,7 +306,7 @@ def trace_restoring_state(
                 functions_as_calls(tracer, getattr(tracer, "opaque_functions", frozenset())),
                 leaf_functions_held_by_modules(tracer, model),
             ):
-                return tracer.trace(wrapper)
+                return trace_patching_this_thread(tracer, wrapper)
         finally:
             with torch.no_grad():
                 for live, saved in buffers:
