@@ -41,7 +41,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from tread_fx.errors import UntraceableModelError
-from tread_fx.passes.trace.thread_patch import thread_local_patch, thread_local_patches, unpatched
+from tread_fx.passes.trace.thread_patch import thread_local_patches, unpatched
 from tread_fx.stages import own_file
 
 __all__ = [
@@ -63,6 +63,7 @@ __all__ = [
     "failure_reason",
     "dynamo_wrappers_run_original",
     "traced_values_are_tensors",
+    "asks_as_model_code",
 ]
 
 _CHECKPOINT_OPTIONS = (
@@ -389,14 +390,22 @@ def dynamo_wrappers_run_original() -> Iterator[None]:
         yield
 
 
-def _is_model_frame(depth: int) -> bool:
-    """Whether the caller ``depth`` frames up, past the patch dispatcher, is outside torch
-    (torch's own code keeps seeing proxies as proxies)."""
-    frame = sys._getframe(depth + 1)
-    while frame is not None and frame.f_globals.get("__name__") == thread_local_patch.__module__:
-        frame = frame.f_back
+_IS_TENSOR = torch.is_tensor.__code__
+
+
+def _is_torch_frame(frame: types.FrameType | None) -> bool:
     name = frame.f_globals.get("__name__", "") if frame is not None else ""
-    return not (name == "torch" or name.startswith("torch."))
+    return name == "torch" or name.startswith("torch.")
+
+
+def asks_as_model_code(frame: types.FrameType, namespaces: set[int]) -> bool:
+    """Whether a type check made in ``frame`` (it reads a traced value's ``__class__``) is the
+    model's: ``frame`` runs in one of the model's modules (``namespaces``: ids of their
+    globals), or is ``torch.is_tensor`` called from outside torch (torch's own code keeps
+    seeing proxies as proxies)."""
+    if frame.f_code is _IS_TENSOR:
+        return not _is_torch_frame(frame.f_back)
+    return id(frame.f_globals) in namespaces
 
 
 def traced_values_are_tensors(tracer: Any, model: nn.Module) -> AbstractContextManager:
@@ -404,27 +413,11 @@ def traced_values_are_tensors(tracer: Any, model: nn.Module) -> AbstractContextM
     and ``callable(v)`` answer as for the value a traced value stands for.
 
     Else ``if not torch.is_tensor(t): t = torch.tensor([t])`` takes a branch it never takes
-    eagerly. ``torch.is_tensor`` does so when called from outside torch; the model's modules see
-    such an ``isinstance`` (for tensors) and ``callable`` (always)."""
-
-    def stands_for_tensor(obj: Any) -> bool:
-        if not isinstance(obj, fx.Proxy) or obj.tracer is not tracer:
-            return False
-        return isinstance(tracer.value_of(obj), torch.Tensor)
-
-    original_is_tensor = torch.is_tensor
-
-    def is_tensor(obj: Any) -> bool:
-        if stands_for_tensor(obj) and _is_model_frame(1):
-            return True
-        return original_is_tensor(obj)
-
-    def traced_isinstance(obj: Any, classinfo: Any) -> bool:
-        if isinstance(obj, classinfo):
-            return True
-        if stands_for_tensor(obj):
-            return isinstance(tracer.value_of(obj), classinfo)
-        return False
+    eagerly. A traced value's ``__class__`` is its value's class where the model's modules or
+    ``torch.is_tensor`` (called from outside torch) ask (:func:`asks_as_model_code`, set here
+    as ``tracer.model_namespaces``): ``isinstance`` reads it, and no name changes. ``callable``
+    reads the type, not ``__class__``: the model's modules see a ``callable`` of their own
+    (for the tracing thread only)."""
 
     def traced_callable(obj: Any) -> bool:
         if isinstance(obj, fx.Proxy) and obj.tracer is tracer:
@@ -435,13 +428,9 @@ def traced_values_are_tensors(tracer: Any, model: nn.Module) -> AbstractContextM
         id(ns): ns
         for ns in map(vars, python_modules(model))
         if not str(ns.get("__name__", "")).startswith(("torch.", "tread_fx."))
-    }.values()
-    imported = [(ns, k) for ns in namespaces for k, v in ns.items() if v is original_is_tensor]
-    shadowed = [ns for ns in namespaces if "isinstance" not in ns]
-    uncalled = [ns for ns in namespaces if "callable" not in ns]
+    }
+    tracer.model_namespaces = set(namespaces)
+    uncalled = [ns for ns in namespaces.values() if "callable" not in ns]
     return thread_local_patches(  # seen by the tracing thread only
-        [(torch, "is_tensor", lambda _: is_tensor)]
-        + [(ns, key, lambda _: is_tensor) for ns, key in imported]  # `from torch import is_tensor`
-        + [(ns, "isinstance", lambda _: traced_isinstance) for ns in shadowed]
-        + [(ns, "callable", lambda _: traced_callable) for ns in uncalled]
+        [(ns, "callable", lambda _: traced_callable) for ns in uncalled]
     )

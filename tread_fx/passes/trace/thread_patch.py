@@ -27,6 +27,7 @@ import torch.fx._symbolic_trace as fx_trace
 from torch import nn
 
 __all__ = [
+    "STILL_PATCHED",
     "thread_local_patch",
     "thread_local_patches",
     "trace_patching_this_thread",
@@ -35,6 +36,35 @@ __all__ = [
     "unpatched",
 ]
 
+#: What a trace still replaces process-wide while it runs (each through
+#: :func:`thread_local_patch`: other threads call through to the original, but the name is a
+#: dispatcher), and why nothing per thread serves. Everything else the tracer changes is per
+#: thread: grad mode, a ``TorchFunctionMode`` (factories, size methods), a profile function
+#: (Python random numbers, :mod:`.thread_calls`), a traced value's ``__class__``
+#: (``isinstance``, ``torch.is_tensor``), dynamo's config, fx's patcher.
+STILL_PATCHED = {
+    "torch.nn.Module.__call__": "fx's Tracer.trace records module calls by patching it; a call "
+    "is looked up on the class, so nothing per thread or per instance intercepts it short of "
+    "swapping the model's instances' classes or rewriting fx's trace",
+    "torch.nn.Module.__getattr__": "fx's Tracer.trace patches it to hand out parameters as "
+    "graph values; looked up on the class, as __call__ is",
+    "torch.fx.wrap": "every function registered with torch.fx.wrap, in the namespace that "
+    "registered it (fx's trace patches them all): a call of a Python function has no "
+    "per-thread hook that can record it instead",
+    "math": "math's functions (fx's autowrap_modules) and a model module's globals holding such "
+    "a function or a leaf function (fx's autowrap): a C function handed a traced size must be "
+    "recorded, not computed on the size's value, and no TorchFunctionMode sees math",
+    "torch.utils.checkpoint.checkpoint": "also its aliases imported or held by the model's "
+    "modules: checkpoint(block.forward, x) must become a call of the block, and torch's "
+    "checkpoint would run its saved-tensor hooks and autograd Function on traced values",
+    "callable": "added to the model's own modules' globals: callable() reads the type, which "
+    "is the proxy class for any traced value, not __class__ as isinstance does",
+    "torch.autograd.Function.apply": "apply, forward and setup_context of a custom autograd "
+    "Function the trace found opaque, on its retry: each call becomes one node, and apply "
+    "is a classmethod no TorchFunctionMode sees",
+    "leaf function attributes": "a leaf function a model's module holds as an attribute "
+    "(self.op = fn), an attribute of the model itself: recorded as one node",
+}
 TRACING_LOCK = threading.RLock()
 _MISSING = object()
 _REGISTRY_LOCK = threading.Lock()

@@ -12,6 +12,7 @@ real value, as :mod:`.torch_api` sorts them.
 from __future__ import annotations
 
 import operator
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -32,6 +33,7 @@ from tread_fx.passes.trace.opaque import (
 )
 from tread_fx.passes.trace.support import (
     DataDependentError,
+    asks_as_model_code,
     has_call_hooks,
     is_compiled_module_wrapper,
     is_stateless,
@@ -92,6 +94,21 @@ class ValueProxy(fx.Proxy):
     """A proxy that also knows the value the eager forward computes at this point."""
 
     __torch_function__ = _TorchFunction()
+
+    @property
+    def __class__(self) -> type:  # type: ignore[override]
+        """The class of the tensor this stands for where the model's code asks (``isinstance``
+        reads it when the type does not match, :func:`.support.asks_as_model_code`), else
+        this proxy's own class."""
+        tracer = self.__dict__.get("tracer")
+        namespaces = getattr(tracer, "model_namespaces", None)
+        if namespaces is None or not asks_as_model_code(sys._getframe(1), namespaces):
+            return type(self)
+        try:
+            value = tracer.value_of(self)
+        except (KeyError, AttributeError):  # not recorded (yet): a proxy being made
+            return type(self)
+        return type(value) if isinstance(value, torch.Tensor) else type(self)
 
     @property
     def value(self) -> Any:
@@ -197,6 +214,7 @@ class ValueTracer(fx.Tracer):
         self.autograd_reads: set[fx.Node] = set()  # ``x.requires_grad``: not what training sees
         self.module_stack: list[str] = []
         self.running_eager = 0
+        self.model_namespaces: set[int] = set()  # the model's modules' globals (ids)
         self.sizes_call: Any = None  # the C call taking sizes as varargs now parsed
         self.checkpointed: set[int] = set()
         self.example_classes: set[tuple] = set()
