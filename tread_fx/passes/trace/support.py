@@ -2,10 +2,11 @@
 (:func:`tread_fx.passes.trace.tracer.trace_restoring_state` enters them all), what its refusals
 raise (:class:`DataDependentError`, at :func:`user_frame`), and the messages of a refused trace.
 
-Every patch goes through :func:`tread_fx.passes.trace.thread_patch.thread_local_patch`, so only the
-tracing thread sees it (a new tracing patch must use it too); state torch keeps per thread
-(grad mode, dynamo's config) is set, not patched, so its functions keep their identity. Code
-compiled with ``torch.compile`` (by any path) runs its original Python; ``torch.is_tensor``,
+What torch keeps per thread (grad mode, dynamo's config, a ``TorchFunctionMode``) is set, not
+patched, so its functions keep their identity; every remaining patch goes through
+:func:`tread_fx.passes.trace.thread_patch.thread_local_patch`, so only the tracing thread sees
+it (a new tracing patch must use it too, and be listed in ``STILL_PATCHED``). Code compiled
+with ``torch.compile`` (by any path) runs its original Python; ``torch.is_tensor``,
 ``isinstance`` and ``callable`` in the model's own code answer by the value a traced value
 stands for.
 

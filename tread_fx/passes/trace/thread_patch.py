@@ -1,14 +1,16 @@
 """Patches that only the tracing thread sees.
 
 What torch keeps per thread (grad mode, a ``TorchFunctionMode``, dynamo's config) is set
-instead, and keeps every function's identity. Where nothing per thread serves, the tracer
-replaces process-wide names while it runs (``torch.ones``, ``random.random``,
-``nn.Module.__call__`` ...) only through :func:`thread_local_patch`: the name gets a
-*dispatcher* (reference-counted, removed when the last patch of that name ends) that calls the
-replacement in a thread that entered the patch and the original elsewhere, so a data-loading
-thread calling ``random.random()`` during a first routed call sees the real one.
+instead, as is a profile function of the tracing thread (:mod:`.thread_calls`), and every
+function keeps its identity. Where nothing per thread serves (:data:`STILL_PATCHED` lists each
+name and why), the tracer replaces process-wide names while it runs (``nn.Module.__call__``,
+``torch.utils.checkpoint.checkpoint`` ...) only through :func:`thread_local_patch`: the name
+gets a *dispatcher* (reference-counted, removed when the last patch of that name ends) that
+calls the replacement in a thread that entered the patch and the original elsewhere, so another
+thread calling a module during a first routed call runs the real ``__call__``.
 :func:`trace_patching_this_thread` sends torch.fx's own patching through it too, and
-:data:`TRACING_LOCK` lets one thread trace at a time; routed calls that do not trace never take it.
+:data:`TRACING_LOCK` lets one thread trace at a time; routed calls that do not trace never
+take it.
 """
 
 from __future__ import annotations
