@@ -400,8 +400,8 @@ def _is_torch_frame(frame: types.FrameType | None) -> bool:
 
 
 def asks_as_model_code(frame: types.FrameType, namespaces: set[int]) -> bool:
-    """Whether a type check made in ``frame`` (it reads a traced value's ``__class__``) is the
-    model's: ``frame`` runs in one of the model's modules (``namespaces``: ids of their
+    """Whether an ``isinstance`` called in ``frame`` (it reads a traced value's ``__class__``)
+    is the model's: ``frame`` runs in one of the model's modules (``namespaces``: ids of their
     globals), or is ``torch.is_tensor`` called from outside torch (torch's own code keeps
     seeing proxies as proxies)."""
     if frame.f_code is _IS_TENSOR:

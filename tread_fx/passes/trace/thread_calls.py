@@ -16,13 +16,17 @@ calls. It serves two needs without replacing any name:
   size by ``__index__`` and the tracing thread's ``TorchFunctionMode``
   (:func:`~.support.factories_take_proxies`) records the call with the traced sizes.
 
+- **Type checks**: the frames calling ``isinstance`` (``tracer.type_checks``), so that a
+  traced value's ``__class__`` is its tensor's class for ``isinstance`` called by the model's
+  code (:class:`~.value_tracer.ValueProxy`), never for C code checking for a tensor.
+
 A profile function already set in the thread (a Python one) is called too, and set again
 afterwards.
 
 Example:
     >>> import random
     >>> class Tracer:
-    ...     running_eager, module_stack, sizes_call = 0, [], None
+    ...     running_eager, module_stack, sizes_call, type_checks = 0, [], None, []
     >>> with watch_thread_calls(Tracer()):
     ...     try:
     ...         random.uniform(0, 1)
@@ -72,10 +76,16 @@ def _profile(tracer: Any, previous: Callable | None) -> Callable:
     def profile(frame: types.FrameType, event: str, arg: Any) -> None:
         if previous is not None:
             previous(frame, event, arg)
-        if event == "c_call":
+        if arg is isinstance:
+            if event == "c_call":
+                tracer.type_checks.append(frame)
+            elif event in ("c_return", "c_exception") and tracer.type_checks:
+                tracer.type_checks.pop()
+        elif event == "c_call":
             owner = getattr(arg, "__self__", None)
             if owner is _SHARED and arg.__name__ in _DRAWS:
                 if not tracer.running_eager:
+                    tracer.type_checks.clear()  # raising here ends this profile function
                     err = _random_draw(frame)
                     err.module_path = tracer.module_stack[-1] if tracer.module_stack else None
                     raise err
@@ -99,4 +109,5 @@ def watch_thread_calls(tracer: Any) -> Iterator[None]:
         yield
     finally:
         tracer.sizes_call = None
+        tracer.type_checks.clear()
         sys.setprofile(previous)

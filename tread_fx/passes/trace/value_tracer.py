@@ -12,7 +12,6 @@ real value, as :mod:`.torch_api` sorts them.
 from __future__ import annotations
 
 import operator
-import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -97,12 +96,15 @@ class ValueProxy(fx.Proxy):
 
     @property
     def __class__(self) -> type:  # type: ignore[override]
-        """The class of the tensor this stands for where the model's code asks (``isinstance``
-        reads it when the type does not match, :func:`.support.asks_as_model_code`), else
-        this proxy's own class."""
+        """The class of the tensor this stands for where the model's code asks with
+        ``isinstance`` (which reads ``__class__`` when the type does not match; the tracing
+        thread's profile function keeps the frames calling it, :mod:`.thread_calls`, and
+        :func:`.support.asks_as_model_code` decides), else this proxy's own class. Only a
+        call of ``isinstance`` itself: C code that checks for a tensor the same way (and
+        would then read the proxy as one) sees the proxy's class."""
         tracer = self.__dict__.get("tracer")
-        namespaces = getattr(tracer, "model_namespaces", None)
-        if namespaces is None or not asks_as_model_code(sys._getframe(1), namespaces):
+        checks = getattr(tracer, "type_checks", None)
+        if not checks or not asks_as_model_code(checks[-1], tracer.model_namespaces):
             return type(self)
         try:
             value = tracer.value_of(self)
@@ -216,6 +218,7 @@ class ValueTracer(fx.Tracer):
         self.running_eager = 0
         self.model_namespaces: set[int] = set()  # the model's modules' globals (ids)
         self.sizes_call: Any = None  # the C call taking sizes as varargs now parsed
+        self.type_checks: list = []  # frames calling ``isinstance`` now (innermost last)
         self.checkpointed: set[int] = set()
         self.example_classes: set[tuple] = set()
         self.through_hooks = through_hooks
