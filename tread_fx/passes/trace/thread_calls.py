@@ -73,28 +73,31 @@ def _random_draw(frame: types.FrameType | None) -> DataDependentError:
 
 
 def _profile(tracer: Any, previous: Callable | None) -> Callable:
+    """The profile function: cheap for the many events that concern none of the needs."""
+    checks, names, tensor = tracer.type_checks, SIZES_AS_VARARGS[1], torch.Tensor
+
     def profile(frame: types.FrameType, event: str, arg: Any) -> None:
         if previous is not None:
             previous(frame, event, arg)
-        if arg is isinstance:
-            if event == "c_call":
-                tracer.type_checks.append(frame)
-            elif event in ("c_return", "c_exception") and tracer.type_checks:
-                tracer.type_checks.pop()
-        elif event == "c_call":
+        if event == "c_call":
+            if arg is isinstance:
+                checks.append(frame)
+                return
             owner = getattr(arg, "__self__", None)
-            if owner is _SHARED and arg.__name__ in _DRAWS:
-                if not tracer.running_eager:
-                    tracer.type_checks.clear()  # raising here ends this profile function
+            if owner is _SHARED:
+                if arg.__name__ in _DRAWS and not tracer.running_eager:
+                    checks.clear()  # raising here ends this profile function
                     err = _random_draw(frame)
                     err.module_path = tracer.module_stack[-1] if tracer.module_stack else None
                     raise err
-            elif id(arg) in _FUNCTION_IDS or (
-                isinstance(owner, torch.Tensor) and arg.__name__ in SIZES_AS_VARARGS[1]
-            ):  # a method of a tensor is a bound method here, also when called unbound
-                tracer.sizes_call = arg
-        elif event in ("c_return", "c_exception") and arg is tracer.sizes_call:
-            tracer.sizes_call = None
+            elif id(arg) in _FUNCTION_IDS or (isinstance(owner, tensor) and arg.__name__ in names):
+                tracer.sizes_call = arg  # a tensor's method is a bound method here, always
+        elif event == "c_return" or event == "c_exception":
+            if arg is isinstance:
+                if checks:
+                    checks.pop()
+            elif arg is tracer.sizes_call:
+                tracer.sizes_call = None
 
     return profile
 
