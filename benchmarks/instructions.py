@@ -15,6 +15,8 @@ Usage:
     python -m benchmarks.instructions                          # docs/results/cpu_instructions
     python -m benchmarks.instructions --models dit-s2 --steps 3 --out /tmp/instr
     python -m benchmarks.instructions --tiny --steps 2 --out /tmp/instr   # under a minute
+    # model lists counted side by side (one process per core) merge into one table
+    python -m benchmarks.instructions --merge /tmp/a.json /tmp/b.json --out /tmp/instr
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from benchmarks import callgrind, measure
 from benchmarks.specs import SPECS, get_spec, make_inputs, model_available
 
 __all__ = ["DEFAULT_MODELS", "parse_args", "child", "count_model", "summarise", "run", "main"]
+__all__ += ["merge", "write"]
 
 DEFAULT_MODELS = "dit-s2,dit-b2,mamba,mamba-rows,rwkv,rwkv-random"
 TARGET = 1.01  # route() / hand-written instructions per step
@@ -63,6 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--keep", help="folder to keep the callgrind dumps in (for callgrind_annotate)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--merge", nargs="+", metavar="JSON", help="only merge finished runs' tables")
     p.add_argument("--child", help=argparse.SUPPRESS)  # JSON job: run inside valgrind
     return p.parse_args(argv)
 
@@ -266,14 +270,46 @@ def run(args: argparse.Namespace, log=print) -> dict[str, Any]:
             continue
         for mode in args.modes.split(","):
             results["models"].append(_entry(name, mode, args, library, log))
-    base = Path(args.out).with_suffix("") if Path(args.out).suffix else Path(args.out)
+    write(results, args.out, log)
+    return results
+
+
+def write(results: dict[str, Any], out: str, log=print) -> None:
+    """Write ``<out>.json`` and ``<out>.md`` and print the table."""
+    base = Path(out).with_suffix("") if Path(out).suffix else Path(out)
     base.parent.mkdir(parents=True, exist_ok=True)
     json_path, md_path = base.with_name(base.name + ".json"), base.with_name(base.name + ".md")
     json_path.write_text(json.dumps(results, indent=2) + "\n")
     md_path.write_text(to_markdown(results))
     log(to_markdown(results))
     log(f"wrote {json_path} and {md_path}")
-    return results
+
+
+def merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One table from runs of disjoint model lists (their commands joined by ``; ``).
+
+    Raises:
+        ValueError: The runs counted under different torch, valgrind, steps or warm-up.
+
+    Example:
+        >>> meta = {"command": "a", "torch": "2", "valgrind": "3", "steps": 2, "warmup": 1}
+        >>> a = {"meta": meta, "models": [{"model": "x"}], "skipped": []}
+        >>> b = {"meta": dict(meta, command="b"), "models": [{"model": "y"}], "skipped": []}
+        >>> m = merge([a, b])
+        >>> m["meta"]["command"], [e["model"] for e in m["models"]]
+        ('a; b', ['x', 'y'])
+    """
+    first = parts[0]["meta"]
+    for part in parts[1:]:
+        for key in ("torch", "valgrind", "steps", "warmup"):
+            if part["meta"][key] != first[key]:
+                raise ValueError(f"runs differ in {key}: {first[key]!r} vs {part['meta'][key]!r}")
+    merged = {"meta": dict(first), "models": [], "skipped": []}
+    merged["meta"]["command"] = "; ".join(p["meta"]["command"] for p in parts)
+    for part in parts:
+        merged["models"] += part["models"]
+        merged["skipped"] += part.get("skipped", [])
+    return merged
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -281,6 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
+        return 0
+    if args.merge:
+        write(merge([json.loads(Path(p).read_text()) for p in args.merge]), args.out)
         return 0
     reason = callgrind.unavailable()
     if reason:

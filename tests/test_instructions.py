@@ -45,6 +45,18 @@ def test_summarise_takes_medians_over_steps_and_processes_and_the_widest_spread(
     assert summary["spread"] == pytest.approx(2 / 202)
 
 
+def test_merge_joins_disjoint_runs_and_refuses_different_settings():
+    meta = {"command": "python -m benchmarks.instructions --models a", "torch": "2.14",
+            "valgrind": "3.19", "steps": 2, "warmup": 1}  # fmt: skip
+    a = {"meta": meta, "models": [{"model": "a"}], "skipped": []}
+    b = {"meta": dict(meta, command="... --models b"), "models": [{"model": "b"}], "skipped": ["c"]}
+    merged = instructions.merge([a, b])
+    assert [e["model"] for e in merged["models"]] == ["a", "b"] and merged["skipped"] == ["c"]
+    assert merged["meta"]["command"].endswith("; ... --models b")
+    with pytest.raises(ValueError, match="steps"):
+        instructions.merge([a, dict(b, meta=dict(b["meta"], steps=3))])
+
+
 def test_cli_accepts_models_steps_and_tiny():
     args = instructions.parse_args(["--models", "dit-s2", "--steps", "3", "--tiny"])
     assert (args.models, args.steps, args.tiny, args.modes) == ("dit-s2", 3, True, "eager")

@@ -212,7 +212,8 @@ class GraphvizNotFoundError(TreadFxError, RuntimeError):
 
 
 class StreamChoiceWarning(UserWarning):
-    """Several streams could be routed and a documented rule chose one (``stream=`` picks)."""
+    """Several streams could be routed and a documented rule chose one (``stream=`` picks; for
+    interleaved block stacks of equal token counts, ``blocks=``)."""
 
 
 class ThinRouteWarning(UserWarning):

@@ -157,8 +157,13 @@ def _setup(module: types.ModuleType):
 def _self_test(module, twin_model, args, kwargs, reference: torch.Tensor) -> None:
     """The twin keeping every token is the unrouted forward (the generator's own check)."""
     d = draw(module.SEED)
-    count = d.stream_tokens
-    every = torch.arange(count).expand(reference.shape[0], -1)
+    rows, count = (reference.shape[0], d.stream_tokens)
+    if d.video:  # the routed stream folds frames ([B * F, h * w, D]) or positions
+        frames, positions = d.grid[0], d.grid[1] * d.grid[2]
+        if d.video.stack == "temporal":  # [B * h * w, F, D]
+            frames, positions = positions, frames
+        rows, count = reference.shape[0] * frames, positions
+    every = torch.arange(count).expand(rows, -1)
     with torch.no_grad():
         full = module.twin(twin_model, args, kwargs, every, checks=False)
     torch.testing.assert_close(full, reference, **_TOL)

@@ -27,6 +27,7 @@ from benchmarks.generated.grammar_containers import (
 )
 from benchmarks.generated.grammar_more import MORE_ROLES, draw_more, more_features
 from benchmarks.generated.grammar_scan import SCAN_ROLES, ScanDraw, draw_scan, scan_features
+from benchmarks.generated.grammar_video import VIDEO_ROLES, VideoDraw, draw_video, video_features
 
 __all__ = ["Company", "Draw", "Names", "draw", "BATCH"]
 
@@ -130,6 +131,8 @@ class Draw:
     ``text_mask_kind`` with ``text_masked`` trailing tokens); ``refuse`` may also be
     ``fold`` (tokens folded into the batch before block ``change_at``) or ``latents`` (the
     blocks run on ``latent_tokens`` learned latents, the patches as their context).
+    ``video`` (:mod:`~benchmarks.generated.grammar_video`) makes it a factorised video model
+    (``refuse`` may then be ``stacks_tie``).
     """
 
     seed: int
@@ -181,6 +184,7 @@ class Draw:
     dict_walk: str = "values"  # the containers round (grammar_containers.py)
     stages: tuple[int, ...] = ()
     text_join: str = "cat"
+    video: VideoDraw | None = None  # the factorised video round (grammar_video.py)
 
     @property
     def num_patches(self) -> int:
@@ -221,6 +225,8 @@ class Draw:
 
     def features(self) -> list[str]:
         """The feature labels the benchmark table counts, e.g. ``"container=numbered"``."""
+        if self.video:
+            return video_features(self)
         out = [f"input={self.input_kind}", f"container={self.container}", f"call={self.call}"]
         if self.input_kind == "image_linear":
             out.append(f"patch_embed={self.patch_embed}")
@@ -321,12 +327,14 @@ def draw(seed: int) -> Draw:
     draw_more(d)
     draw_scan(d)
     draw_containers(d)
+    draw_video(d)
     d.masked = _masked(rng, d.num_patches, d.rate) if d.mask else ()
     d.side_order = _sides(rng, d)
     d.names = {role: names.fresh() for role in _ROLES}
     d.names.update({role: names.cls() for role in ("model", "block")})
     d.names.update({role: names.fresh() for role in MORE_ROLES})
     d.names.update({role: names.fresh() for role in SCAN_ROLES + CONTAINER_ROLES})
+    d.names.update({role: names.fresh() for role in VIDEO_ROLES})
     return d
 
 

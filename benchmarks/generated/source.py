@@ -44,6 +44,7 @@ from benchmarks.generated.source_inputs import (
     text_lines,
     unpatchify,
 )
+from benchmarks.generated.source_video import video_module, video_reason
 
 __all__ = ["module_source", "protected_ids", "kept_count", "patch_offset"]
 
@@ -336,6 +337,8 @@ def _reason(d: Draw) -> str:
         return f"the tokens are folded into the batch before block {d.change_at}, in the route"
     if d.refuse == "latents":
         return "the blocks run on learned latents, not on tokens computed from the input"
+    if d.video:
+        return video_reason(d)
     return scan_reason(d)
 
 
@@ -346,6 +349,8 @@ def module_source(d: Draw) -> str:
         seed=d.seed, features=", ".join(features), start=d.start, end=d.end, rate=d.rate,
         routable=d.routable, reason=_reason(d), features_list=features,
     )  # fmt: skip
+    if d.video:
+        return header + video_module(d)
     parts = [header, helpers_source(d), hook_source(d), block_source(d), _model_source(d)]
     parts += [_build_source(d), inputs_source(d), _twin_source(d)]
     return "".join(parts)

@@ -9,8 +9,8 @@ sub-block. Among the containers whose members are called
 once each, in order, the stack is the longest chain (a container whose first block depends on
 the previous one's last: Flux's joint then single blocks) that the model's main input (the one
 the prediction is shaped like) flows through, handing the stream most directly from block to
-block; of interleaved chains (factorised spatial/temporal video blocks, which both carry the
-stream), the one whose stream has the most tokens. ``blocks=`` names the containers instead.
+block (:mod:`tread_fx.passes.locate.stack_choice` chooses; of interleaved chains, the one
+whose stream has the most tokens). ``blocks=`` names the containers instead.
 Used by :mod:`tread_fx.passes.locate.stream`.
 
 Example:
@@ -23,7 +23,6 @@ Example:
 
 from __future__ import annotations
 
-import math
 import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -32,15 +31,12 @@ import torch.fx as fx
 from torch import nn
 
 from tread_fx.errors import (
-    AmbiguousBlockStackError,
     BlockStackNotFoundError,
     TokenStreamError,
-    shown,
 )
 from tread_fx.passes.locate.dataflow import (
     data_ancestors,
     fed_by,
-    forward_path,
     input_slots,
     nodes_in,
     tensor_meta,
@@ -63,7 +59,6 @@ __all__ = [
     "block_calls",
     "block_class",
     "carrying_lists",
-    "choose_stack",
     "refuse_hierarchical_stages",
 ]
 
@@ -380,6 +375,17 @@ def _same_form(before: str, after: str, calls: dict[str, list[fx.Node]]) -> bool
     return len(a.shape) == len(b.shape) and a.shape[-1] == b.shape[-1]
 
 
+def _handed_stream(chain: list[str], calls: dict[str, list[fx.Node]]) -> TensorMeta | None:
+    """The value a chain's first block hands on to its second (its token stream), if it is
+    one tensor with at least a batch, a token and a feature dim."""
+    nodes = [n for path in chain for n in calls[path]]
+    if len(nodes) < 2:
+        return None
+    first, slots = _handed_slots(nodes)
+    metas = [m for k in slots if (m := tensor_meta(first[k])) is not None and len(m.shape) >= 3]
+    return metas[0] if len(metas) == 1 else None
+
+
 def _form_break(chains: list[list[str]], calls: dict[str, list[fx.Node]]) -> str:
     """``"encoder: [2, 16, 32]; decoder: [2, 16, 48]"`` when the chains (in call order)
     carry streams of different forms; empty when they do not."""
@@ -398,113 +404,6 @@ def _feature_map(model: nn.Module, chain: list[str], calls: dict[str, list[fx.No
     first = model.get_submodule(calls[chain[0]][0].target[len(MODEL_PREFIX) :])
     rank = len(meta.shape)
     return rank > 4 or (rank == 4 and not channels_last(first, tuple(meta.shape)))
-
-
-def _hand_off_hops(chain: list[str], calls: dict[str, list[fx.Node]]) -> int:
-    """Ops on the paths from each block of ``chain`` to the next (fewest: the main stack)."""
-    nodes = [n for path in chain for n in calls[path]]
-    return sum(len(forward_path(a, b)) for a, b in zip(nodes, nodes[1:]))
-
-
-def choose_stack(
-    model: nn.Module, calls: dict, primary: fx.Node | None, explicit: bool
-) -> list[str]:
-    """The chain of container paths that is the block stack (refuses with the reason)."""
-    chains = _chains(model, calls, primary)
-    if explicit:
-        if len(chains) > 1 and (widths := _form_break(chains, calls)):
-            raise BlockStackNotFoundError(
-                f"blocks= named {' + '.join(c for chain in chains for c in chain)}, which carry "
-                f"streams of different forms\n({widths}): one route cannot span the "
-                "change (a projection between them); name the lists of one form, e.g. "
-                f"blocks={chains[0] if len(chains[0]) > 1 else chains[0][0]!r}."
-            )
-        if len(chains) != 1:
-            raise BlockStackNotFoundError(
-                f"blocks= named {sorted(calls)}, but their members are not called once each, "
-                "in order, one container after the other; name only the block containers "
-                "of the main stack, in call order."
-            )
-        return chains[0]
-    # a one-block list is a stack only joined to another list (one-member containers are
-    # candidates for that); alone it is some other module
-    chains = [c for c in chains if sum(len(calls[p]) for p in c) > 1]
-    if not chains:
-        raise BlockStackNotFoundError(
-            f"no block stack found in {type(model).__name__}: no ModuleList/Sequential of "
-            f"same-class modules is called once per member in order (candidates: "
-            f"{sorted(calls) or 'none'}). Pass blocks='<attribute path>' to route()."
-        )
-    # a list of conv blocks around an attention encoder never beats a token list
-    chains = [c for c in chains if not _feature_map(model, c, calls)] or chains
-    size = lambda chain: sum(len(calls[p]) for p in chain)
-    best = max(size(c) for c in chains)
-    top = [c for c in chains if size(c) == best]
-    if len(top) > 1 and _interleaving(top, calls):  # both carry the stream: more to save
-        top = _most_tokens(top, calls)
-    if len(top) > 1:  # the stack hands the stream straight on; a side branch takes detours
-        hops = {tuple(c): _hand_off_hops(c, calls) for c in top}
-        top = [c for c in top if hops[tuple(c)] == min(hops.values())]
-    if len(top) > 1:
-        choices = " or ".join(f"blocks={c[0]!r}" if len(c) == 1 else f"blocks={c}" for c in top)
-        raise AmbiguousBlockStackError(
-            f"several block stacks of {best} blocks qualify in {type(model).__name__}: "
-            f"{[' + '.join(c) for c in top]} ({'; '.join(_describe(c, calls) for c in top)})"
-            f"{_interleaving(top, calls)}; pass {choices} to route() to choose one."
-        )
-    return top[0]
-
-
-def _handed_stream(chain: list[str], calls: dict[str, list[fx.Node]]) -> TensorMeta | None:
-    """The value a chain's first block hands on to its second (its token stream), if it is
-    one tensor with at least a batch, a token and a feature dim."""
-    nodes = [n for path in chain for n in calls[path]]
-    if len(nodes) < 2:
-        return None
-    first, slots = _handed_slots(nodes)
-    metas = [m for k in slots if (m := tensor_meta(first[k])) is not None and len(m.shape) >= 3]
-    return metas[0] if len(metas) == 1 else None
-
-
-def _most_tokens(chains: list[list[str]], calls: dict[str, list[fx.Node]]) -> list[list[str]]:
-    """Of interleaved stacks of equal length (spatial ``[B * F, N, C]`` and temporal ``[B * N,
-    F, C]`` blocks), the one whose stream has the most tokens (dim 1); all of them when the
-    counts tie or a stream's shape is unclear."""
-    metas = [_handed_stream(c, calls) for c in chains]
-    if any(m is None for m in metas):
-        return chains
-    counts = [m.shape[1] for m in metas]
-    best = [c for c, n in zip(chains, counts) if n == max(counts)]
-    return best if len(best) == 1 else chains
-
-
-def _describe(chain: list[str], calls: dict[str, list[fx.Node]]) -> str:
-    """``path: 4 blocks, [8, 16, 32] (16 tokens)``: the stream its first block hands on (else
-    the largest tensor entering that block)."""
-    first = calls[chain[0]][0]
-    metas = [m for a in first.all_input_nodes if (m := tensor_meta(a)) is not None]
-    shapes = [tuple(m.shape) for m in metas if len(m.shape) >= 2]
-    count = sum(len(calls[p]) for p in chain)
-    if not shapes:
-        return f"{' + '.join(map(shown, chain))}: {count} blocks"
-    handed = _handed_stream(chain, calls)
-    shape = tuple(handed.shape) if handed else max(shapes, key=lambda sh: math.prod(sh))
-    tokens = f" ({shape[1]} tokens)" if len(shape) >= 3 else ""
-    return f"{' + '.join(map(shown, chain))}: {count} blocks on {list(shape)}{tokens}"
-
-
-def _interleaving(chains: list[list[str]], calls: dict[str, list[fx.Node]]) -> str:
-    """A note when the stacks' blocks alternate (factorised spatial/temporal attention)."""
-    order = {n: i for i, n in enumerate(calls[chains[0][0]][0].graph.nodes)}
-    spans = [(order[calls[c[0]][0]], order[calls[c[-1]][-1]]) for c in chains]
-    if not any(a[0] < b[0] < a[1] for a in spans for b in spans if a != b):
-        return ""
-    return (
-        ". Their blocks are interleaved: one stream alternates between them, reshaped in "
-        "between (e.g. spatial attention over the tokens of each frame, temporal attention "
-        "over the frames of each position, the batch folded with frames or positions); "
-        "a route over one stack also runs the other stack's blocks on the kept tokens"
-    )
 
 
 def refuse_hierarchical_stages(model: nn.Module, blocks: list[Any]) -> None:

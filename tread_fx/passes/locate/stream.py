@@ -31,10 +31,10 @@ from tread_fx.passes.locate.dataflow import (
 )
 from tread_fx.passes.locate.dims import joint_parts, stream_dims
 from tread_fx.passes.locate.members import member_path
+from tread_fx.passes.locate.stack_choice import choose_stack
 from tread_fx.passes.locate.stacks import (
     block_calls,
     block_class,
-    choose_stack,
     main_input,
     refuse_hierarchical_stages,
 )

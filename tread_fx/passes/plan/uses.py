@@ -10,7 +10,10 @@ what it is (first match in this order):
   probabilities (``+``, ``baddbmm``, ``maximum``, ``where`` ...), the condition or mask of a
   selecting op (``where``, ``masked_fill``), a token-by-token map of its own (elementwise
   beside the stream's tokens and broadcast over them, ``exp(-w * |i - j|)``; or a ``[T, T]``
-  matrix the stream's tokens are multiplied by): cut on every token dim.
+  matrix the stream's tokens are multiplied by): cut on every token dim. A mask of an
+  attention whose keys are not computed from the stream (cross-attention to a context) indexes
+  the context's keys, whatever their count: it is a ``table`` when its query dim is the
+  stream's, else no use (passed).
 - ``ids``: indexes an embedding or a table (``embedding``, ``index_select``, ``gather``,
   advanced indexing): gathered.
 - ``table``: elementwise with the stream (or q/k) on a non-last dim of a token count
@@ -178,11 +181,12 @@ def _tensor_use(node: fx.Node, reach: set[fx.Node], stream: set[fx.Node], ctx) -
     name, tokens, root = _name(node), ctx[0], ctx[1]
     mine, theirs = _sides(node, reach, stream)
     if name == "module":
-        return _module_use(root.get_submodule(node.target), node, reach, theirs)
+        return _module_use(root.get_submodule(node.target), node, reach, (theirs, stream, tokens))
     if name == _SDPA:
         mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
         if mask in reach:
-            return Use.MASK
+            query, key = (_arg(node, i, k) for i, k in ((0, "query"), (1, "key")))
+            return _score_mask(mask, query, key, stream, tokens)
         return Use.CONTEXT if mine and theirs else None
     if any(s in reach for s in selector_args(node)):  # the condition of where, masked_fill
         return Use.MASK if theirs else None
@@ -215,15 +219,43 @@ def _tensor_use(node: fx.Node, reach: set[fx.Node], stream: set[fx.Node], ctx) -
     return None
 
 
-def _module_use(module: nn.Module, node: fx.Node, reach: set, theirs: list) -> Use | None:
-    """Uses through torch.nn leaf modules: embeddings and multi-head attention."""
+def _arg(node: fx.Node, index: int, name: str) -> Any:
+    """Argument ``index`` of a call, given positionally or as ``name``."""
+    return node.args[index] if len(node.args) > index else node.kwargs.get(name)
+
+
+def _score_mask(mask: fx.Node, query: Any, key: Any, stream: set, tokens: set) -> Use | None:
+    """The use of an attention's ``mask`` (``[..., queries, keys]``). Keys computed from the
+    stream (self or joint attention): a mask, cut on every token dim. Keys of another
+    sequence (cross-attention to a context): its key dim indexes that sequence, even when as
+    long as the stream; it is per token only along the queries (a table when its query dim is
+    the stream's, else per sample or global: passed)."""
+    if key in stream or not isinstance(query, fx.Node) or not isinstance(key, fx.Node):
+        return Use.MASK
+    q_shape, k_shape = tensor_shape(query), tensor_shape(key)
+    if q_shape is None or k_shape is None or len(k_shape) < 2:
+        return Use.MASK
+    scores = (*q_shape[:-1], k_shape[-2])
+    return Use.TABLE if _aligned(tensor_shape(mask), scores, tokens) else None
+
+
+def _module_use(module: nn.Module, node: fx.Node, reach: set, seen: tuple) -> Use | None:
+    """Uses through torch.nn leaf modules: embeddings and multi-head attention; ``seen`` is
+    (the stream-derived inputs of ``node``, the stream, the token counts). A mask over the
+    keys of another sequence (cross-attention) is no key mask of the stream: a key-padding
+    mask is passed, an ``attn_mask`` is per token only along its query rows (a table)."""
+    theirs, stream, tokens = seen
     if isinstance(module, nn.Embedding):
         return Use.IDS if node.args and node.args[0] in reach else None
     if isinstance(module, nn.MultiheadAttention):
-        masks = [node.kwargs.get(k) for k in ("attn_mask", "key_padding_mask")]
-        if any(m in reach for m in masks if m is not None):
+        masks = {k: node.kwargs.get(k) for k in ("attn_mask", "key_padding_mask")}
+        if not any(m in reach for m in masks.values() if m is not None):
+            return Use.CONTEXT if theirs else None
+        key = _arg(node, 1, "key")
+        if key in stream or not isinstance(key, fx.Node):
             return Use.MASK
-        return Use.CONTEXT if theirs else None
+        shape = tensor_shape(masks["attn_mask"]) if masks["attn_mask"] in reach else None
+        return Use.TABLE if shape and len(shape) >= 2 and shape[-2] in tokens else None
     return Use.UNKNOWN if theirs else None
 
 
