@@ -175,3 +175,19 @@ def test_the_traced_model_routes_with_its_traced_sizes():
     out = model.train()(_inputs())
     assert out.shape == (B, N, 3)
     assert tread_fx.route_info(model)[0].kept.shape == (B, N // 2)
+
+
+def test_a_c_profiler_of_the_tracing_thread_keeps_counting_after_the_trace():
+    import cProfile
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        model = tread_fx.route(TokenModel(), routes=[(1, 3)], seed=0)
+        model.train()(_inputs())  # traces: the profiler is paused, then enabled again
+        assert sys.getprofile() is profiler
+        model.train()(_inputs())  # a later call must not raise "'Profile' is not callable"
+    finally:
+        profiler.disable()
+    names = [getattr(entry.code, "co_name", "") for entry in profiler.getstats()]
+    assert "forward" in names, "the profiler counted none of the model's forward calls"

@@ -113,4 +113,16 @@ def watch_thread_calls(tracer: Any) -> Iterator[None]:
     finally:
         tracer.sizes_call = None
         tracer.type_checks.clear()
+        _restore_profile(previous)
+
+
+def _restore_profile(previous: Any) -> None:
+    """Set the thread's profiler back. A C profiler (``cProfile.Profile``: ``sys.getprofile``
+    gives its object, which is not callable) is paused during the trace and enabled again with
+    its own ``enable()``, keeping its flags and counts; ``sys.setprofile`` of that object would
+    make every later call raise ``TypeError: 'Profile' object is not callable``."""
+    if previous is None or callable(previous):
         sys.setprofile(previous)
+    else:
+        sys.setprofile(None)
+        previous.enable()
