@@ -40,11 +40,21 @@ from benchmarks import callgrind, measure
 from benchmarks.specs import SPECS, get_spec, make_inputs, model_available
 
 __all__ = ["DEFAULT_MODELS", "parse_args", "child", "count_model", "summarise", "run", "main"]
-__all__ += ["merge", "write"]
+__all__ += ["COUNTED_ENV", "merge", "write"]
 
 DEFAULT_MODELS = "dit-s2,dit-b2,mamba,mamba-rows,rwkv,rwkv-random"
 TARGET = 1.01  # route() / hand-written instructions per step
-_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
+# Under valgrind, MKL's AVX2 (FMA) sgemm ran ~3,000x slower than natively (a DiT-S/2 step never
+# reached its count in 1 h 47 min), its SSE4.2 kernel ~20x: the counted process takes the kernels
+# of a machine without AVX2 (MKL, oneDNN, ATen's dispatch), the same for every variant.
+COUNTED_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "PYTHONHASHSEED": "0",
+    "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
+    "ONEDNN_MAX_CPU_ISA": "SSE41",
+    "ATEN_CPU_CAPABILITY": "default",
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -130,7 +140,7 @@ def count_model(name: str, mode: str, args: argparse.Namespace, library: Path) -
         clock = time.perf_counter()
         run = subprocess.run(
             callgrind.command(out_dir, argv),
-            env={**os.environ, **_ENV},
+            env={**os.environ, **COUNTED_ENV},
             cwd=Path(__file__).resolve().parents[1],
             capture_output=True,
             text=True,
@@ -248,8 +258,10 @@ def _method(args: argparse.Namespace) -> list[str]:
         "every variant; garbage collection off inside the counted steps (gc.collect before)",
         "route() and hand-written draw from generators seeded alike and called as often, so "
         "they route the same tokens (route() picks them by topk, hand-written by argsort)",
-        "valgrind emulates a CPU without AVX-512: torch and oneDNN take their AVX2 kernels, so "
-        "the counts are those of an AVX2 machine",
+        "the counted process takes the kernels of a CPU without AVX2 "
+        "(MKL_ENABLE_INSTRUCTIONS=SSE4_2, ONEDNN_MAX_CPU_ISA=SSE41, ATEN_CPU_CAPABILITY="
+        "default): under valgrind MKL's AVX2 sgemm ran ~3,000x slower than natively, its "
+        "SSE4.2 kernel ~20x; the counts are those of an SSE4.2 machine, alike for every variant",
         f"time ratios: {args.times} (cpu clock, medians of per-round ratios, its own batch)",
         f"batch {args.batch} (the time table's 8 is ~4x slower under valgrind)",
     ]

@@ -11,14 +11,12 @@ by every folded row. Then one differential check of each outcome.
 from __future__ import annotations
 
 import tempfile
-from pathlib import Path
 
 import pytest
 import torch
+from test_generated_grammar import _loaded
 
-from benchmarks.coverage_checks import randomize_zero_init
 from benchmarks.generated import check, draw, module_source
-from benchmarks.generated.check import load_module
 
 SEEDS = range(0, 800)  # drawing is cheap; about one seed in twelve is factorised
 
@@ -34,16 +32,6 @@ def _seeds(**want) -> list[int]:
 
 def _first(**want) -> int:
     return _seeds(**want)[0]
-
-
-def _loaded(seed: int, tmp: str):
-    module = load_module(seed, Path(tmp))
-    model = module.build()
-    randomize_zero_init(model)
-    args, kwargs = module.inputs()
-    with torch.no_grad():
-        reference = model.eval()(*args, **kwargs)
-    return module, model.train(), args, kwargs, reference
 
 
 def test_factorised_video_is_drawn_both_ways_and_compiles():

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
+from test_factorised_stacks import Attend
 from third_party_checks import gather_rows, scatter_rows
 from torch import nn
 
@@ -22,16 +22,6 @@ import tread_fx
 from tread_fx.errors import StreamChoiceWarning
 
 B, FRAMES, N, C = 2, 4, 4, 32
-
-
-class Attend(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm, self.qkv, self.proj = nn.LayerNorm(C), nn.Linear(C, 3 * C), nn.Linear(C, C)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv(self.norm(x)).unflatten(-1, (3, 2, C // 2)).permute(2, 0, 3, 1, 4)
-        return x + self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2))
 
 
 def _to_temporal(h: torch.Tensor, b: int) -> torch.Tensor:
