@@ -2,10 +2,11 @@
 (:func:`tread_fx.passes.trace.tracer.trace_restoring_state` enters them all), what its refusals
 raise (:class:`DataDependentError`, at :func:`user_frame`), and the messages of a refused trace.
 
-Every patch goes through :func:`tread_fx.passes.trace.thread_patch.thread_local_patch`, so only the
-tracing thread sees it (a new tracing patch must use it too); state torch keeps per thread
-(grad mode, dynamo's config) is set, not patched, so its functions keep their identity. Code
-compiled with ``torch.compile`` (by any path) runs its original Python; ``torch.is_tensor``,
+What torch keeps per thread (grad mode, dynamo's config, a ``TorchFunctionMode``) is set, not
+patched, so its functions keep their identity; every remaining patch goes through
+:func:`tread_fx.passes.trace.thread_patch.thread_local_patch`, so only the tracing thread sees
+it (a new tracing patch must use it too, and be listed in ``STILL_PATCHED``). Code compiled
+with ``torch.compile`` (by any path) runs its original Python; ``torch.is_tensor``,
 ``isinstance`` and ``callable`` in the model's own code answer by the value a traced value
 stands for.
 
@@ -27,7 +28,6 @@ import contextlib
 import functools
 import inspect
 import os
-import random
 import re
 import sys
 import types
@@ -42,13 +42,12 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from tread_fx.errors import UntraceableModelError
-from tread_fx.passes.trace.thread_patch import thread_local_patch, thread_local_patches, unpatched
+from tread_fx.passes.trace.thread_patch import thread_local_patches, unpatched
 from tread_fx.stages import own_file
 
 __all__ = [
     "DataDependentError",
     "user_frame",
-    "refuse_python_random",
     "checkpoint_as_plain_call",
     "python_modules",
     "call_python_modules",
@@ -65,61 +64,42 @@ __all__ = [
     "failure_reason",
     "dynamo_wrappers_run_original",
     "traced_values_are_tensors",
+    "asks_as_model_code",
 ]
 
-_PYTHON_RANDOM = ("random", "uniform", "randint", "randrange", "choice", "sample", "shuffle")
-# tensor methods taking sizes as varargs, called on a real (constant) tensor with traced sizes
-_SIZE_METHODS = ("expand", "view", "reshape", "repeat", "tile", "new_zeros", "new_ones", "new_full")
 _CHECKPOINT_OPTIONS = (
     "use_reentrant", "preserve_rng_state", "determinism_check", "debug", "context_fn"
 )  # fmt: skip
-# torch's argument parser reads these sizes (rejects a traced first size, or calls its
-# ``__index__``) before a TorchFunctionMode sees the call: only a patch of the name records them
-_FACTORIES = ("ones", "zeros", "empty", "full", "rand", "randn", "randint")
-# these reach a TorchFunctionMode with their traced arguments unread: the mode records them
-_MODE_FACTORIES = (torch.arange, torch.tensor, torch.as_tensor)
+# factories of a graph value even with constant sizes (a draw is never baked in as a constant)
+_RANDOM = frozenset(map(id, (torch.rand, torch.randn, torch.randint)))
 
 
 def factories_take_proxies(tracer: Any) -> AbstractContextManager:
-    """Record ``torch.ones(b, n)`` and ``t.expand(b, -1)`` with traced sizes as graph calls
-    (torch's argument parser rejects proxies as varargs sizes before ``__torch_function__``
-    sees them), and random factories always, so a draw is never baked in as a constant.
-    ``torch.arange``, ``torch.tensor`` and ``torch.as_tensor`` are recorded by a
-    ``TorchFunctionMode`` of the tracing thread instead: other threads see them unchanged."""
-    random_factories = {"rand", "randn", "randint"}  # never baked in as constants
+    """Record ``torch.ones(b, n)``, ``torch.arange(n)``, ``torch.tensor([n, 1])`` and
+    ``t.expand(b, -1)`` with traced sizes (``n`` from a shape) as graph calls, and random
+    factories always, so a draw is never baked in as a constant.
 
-    def wrap(name: str, method: bool):
-        def make(fn):
-            def call(*args: Any, **kwargs: Any) -> Any:
-                sizes = pytree.tree_leaves((args[1:] if method else args, kwargs))
-                traced = any(isinstance(a, fx.Proxy) for a in sizes) or name in random_factories
-                if tracer.running_eager or not traced:
-                    return fn(*args, **kwargs)
-                if method:  # called on a real tensor: ``self`` is the first argument
-                    return tracer.create_proxy("call_method", name, args, kwargs)
-                return tracer.create_proxy("call_function", unpatched(torch, name), args, kwargs)
+    A ``TorchFunctionMode`` of the tracing thread does it: other threads see every function
+    unchanged. It records every torch call handed a traced value that would not reach the
+    proxies' own ``__torch_function__`` (one in a list, a size among varargs:
+    :mod:`.thread_calls`), as that would.
 
-            return call
-
-        return make
-
-    functions = [(torch, name, wrap(name, method=False)) for name in _FACTORIES]
-    methods = [(torch.Tensor, name, wrap(name, method=True)) for name in _SIZE_METHODS]
-    return _together(thread_local_patches(functions + methods), _FactoryMode(tracer))
-
-
-@contextlib.contextmanager
-def _together(*managers: AbstractContextManager) -> Iterator[None]:
-    """Enter ``managers`` in order (a mode is per thread: entering it replaces nothing)."""
-    with contextlib.ExitStack() as stack:
-        for manager in managers:
-            stack.enter_context(manager)
-        yield
+    Example:
+        >>> from tread_fx.passes.trace.tracer import trace_call
+        >>> class Ones(torch.nn.Module):
+        ...     def forward(self, x):
+        ...         return x + torch.ones(x.shape[0], 1)
+        >>> traced = trace_call(Ones(), (torch.zeros(2, 3),), {}, leaf_paths=set())
+        >>> torch.ones in [n.target for n in traced.gm.graph.nodes]
+        True
+    """
+    return _FactoryMode(tracer)
 
 
 class _FactoryMode(TorchFunctionMode):
-    """Record ``torch.arange(n)``, ``torch.tensor([n, 1])`` of traced values (``n`` from a
-    shape) as graph calls; every other call, and eager code's, runs as it is."""
+    """Record torch calls handed traced values the proxies do not see (see
+    :func:`factories_take_proxies`), and random factories; every other call, and eager
+    code's, runs as it is."""
 
     def __init__(self, tracer: Any) -> None:
         super().__init__()
@@ -127,10 +107,14 @@ class _FactoryMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: D105
         kwargs = kwargs or {}
-        if func in _MODE_FACTORIES and not self.tracer.running_eager:  # cheap tests first
-            leaves = pytree.tree_leaves((args, kwargs))  # every torch call passes here
-            if any(isinstance(a, fx.Proxy) and a.tracer is self.tracer for a in leaves):
-                return self.tracer.create_proxy("call_function", func, args, kwargs)
+        self.tracer.sizes_call = None  # parsed: the proxies take part again
+        if self.tracer.running_eager or any(issubclass(t, fx.Proxy) for t in types):
+            return func(*args, **kwargs)  # eager code, or the proxies record it themselves
+        leaves = pytree.tree_leaves((args, kwargs))
+        if any(isinstance(a, fx.Proxy) and a.tracer is self.tracer for a in leaves):
+            return fx.Proxy.__torch_function__(func, types, args, kwargs)
+        if id(func) in _RANDOM:
+            return self.tracer.create_proxy("call_function", func, args, kwargs)
         return func(*args, **kwargs)
 
 
@@ -167,23 +151,6 @@ def user_frame() -> str:
         if not (filename.startswith(torch_dir) or own_file(filename) or "contextlib" in filename):
             return f"{frame_info.filename}:{frame_info.lineno}"
     return "<unknown location>"
-
-
-def refuse_python_random(tracer: Any) -> AbstractContextManager:
-    """Make Python-level random draws made by traced (not eager) code refuse to be baked in."""
-
-    def guard(name: str):
-        def make(original):
-            def draw(*args: Any, **kwargs: Any) -> Any:
-                if not tracer.running_eager:
-                    raise DataDependentError.at(f"Python-level randomness (random.{name})", tracer)
-                return original(*args, **kwargs)
-
-            return draw
-
-        return make
-
-    return thread_local_patches((random, name, guard(name)) for name in _PYTHON_RANDOM)
 
 
 def checkpoint_as_plain_call(tracer: Any, model: nn.Module) -> AbstractContextManager:
@@ -424,14 +391,22 @@ def dynamo_wrappers_run_original() -> Iterator[None]:
         yield
 
 
-def _is_model_frame(depth: int) -> bool:
-    """Whether the caller ``depth`` frames up, past the patch dispatcher, is outside torch
-    (torch's own code keeps seeing proxies as proxies)."""
-    frame = sys._getframe(depth + 1)
-    while frame is not None and frame.f_globals.get("__name__") == thread_local_patch.__module__:
-        frame = frame.f_back
+_IS_TENSOR = torch.is_tensor.__code__
+
+
+def _is_torch_frame(frame: types.FrameType | None) -> bool:
     name = frame.f_globals.get("__name__", "") if frame is not None else ""
-    return not (name == "torch" or name.startswith("torch."))
+    return name == "torch" or name.startswith("torch.")
+
+
+def asks_as_model_code(frame: types.FrameType, namespaces: set[int]) -> bool:
+    """Whether an ``isinstance`` called in ``frame`` (it reads a traced value's ``__class__``)
+    is the model's: ``frame`` runs in one of the model's modules (``namespaces``: ids of their
+    globals), or is ``torch.is_tensor`` called from outside torch (torch's own code keeps
+    seeing proxies as proxies)."""
+    if frame.f_code is _IS_TENSOR:
+        return not _is_torch_frame(frame.f_back)
+    return id(frame.f_globals) in namespaces
 
 
 def traced_values_are_tensors(tracer: Any, model: nn.Module) -> AbstractContextManager:
@@ -439,27 +414,11 @@ def traced_values_are_tensors(tracer: Any, model: nn.Module) -> AbstractContextM
     and ``callable(v)`` answer as for the value a traced value stands for.
 
     Else ``if not torch.is_tensor(t): t = torch.tensor([t])`` takes a branch it never takes
-    eagerly. ``torch.is_tensor`` does so when called from outside torch; the model's modules see
-    such an ``isinstance`` (for tensors) and ``callable`` (always)."""
-
-    def stands_for_tensor(obj: Any) -> bool:
-        if not isinstance(obj, fx.Proxy) or obj.tracer is not tracer:
-            return False
-        return isinstance(tracer.value_of(obj), torch.Tensor)
-
-    original_is_tensor = torch.is_tensor
-
-    def is_tensor(obj: Any) -> bool:
-        if stands_for_tensor(obj) and _is_model_frame(1):
-            return True
-        return original_is_tensor(obj)
-
-    def traced_isinstance(obj: Any, classinfo: Any) -> bool:
-        if isinstance(obj, classinfo):
-            return True
-        if stands_for_tensor(obj):
-            return isinstance(tracer.value_of(obj), classinfo)
-        return False
+    eagerly. A traced value's ``__class__`` is its value's class where the model's modules or
+    ``torch.is_tensor`` (called from outside torch) ask (:func:`asks_as_model_code`, set here
+    as ``tracer.model_namespaces``): ``isinstance`` reads it, and no name changes. ``callable``
+    reads the type, not ``__class__``: the model's modules see a ``callable`` of their own
+    (for the tracing thread only)."""
 
     def traced_callable(obj: Any) -> bool:
         if isinstance(obj, fx.Proxy) and obj.tracer is tracer:
@@ -470,13 +429,9 @@ def traced_values_are_tensors(tracer: Any, model: nn.Module) -> AbstractContextM
         id(ns): ns
         for ns in map(vars, python_modules(model))
         if not str(ns.get("__name__", "")).startswith(("torch.", "tread_fx."))
-    }.values()
-    imported = [(ns, k) for ns in namespaces for k, v in ns.items() if v is original_is_tensor]
-    shadowed = [ns for ns in namespaces if "isinstance" not in ns]
-    uncalled = [ns for ns in namespaces if "callable" not in ns]
+    }
+    tracer.model_namespaces = set(namespaces)
+    uncalled = [ns for ns in namespaces.values() if "callable" not in ns]
     return thread_local_patches(  # seen by the tracing thread only
-        [(torch, "is_tensor", lambda _: is_tensor)]
-        + [(ns, key, lambda _: is_tensor) for ns, key in imported]  # `from torch import is_tensor`
-        + [(ns, "isinstance", lambda _: traced_isinstance) for ns in shadowed]
-        + [(ns, "callable", lambda _: traced_callable) for ns in uncalled]
+        [(ns, "callable", lambda _: traced_callable) for ns in uncalled]
     )

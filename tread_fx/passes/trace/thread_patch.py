@@ -1,35 +1,72 @@
 """Patches that only the tracing thread sees.
 
 What torch keeps per thread (grad mode, a ``TorchFunctionMode``, dynamo's config) is set
-instead, and keeps every function's identity. Where nothing per thread serves, the tracer
-replaces process-wide names while it runs (``torch.ones``, ``random.random``,
-``nn.Module.__call__`` ...) only through :func:`thread_local_patch`: the name gets a
-*dispatcher* (reference-counted, removed when the last patch of that name ends) that calls the
-replacement in a thread that entered the patch and the original elsewhere, so a data-loading
-thread calling ``random.random()`` during a first routed call sees the real one.
-:func:`fx_patches_in_this_thread` sends torch.fx's own patching through it too, and
-:data:`TRACING_LOCK` lets one thread trace at a time; routed calls that do not trace never take it.
+instead, as is a profile function of the tracing thread (:mod:`.thread_calls`), and every
+function keeps its identity. Where nothing per thread serves (:data:`STILL_PATCHED` lists each
+name and why), the tracer replaces process-wide names while it runs (``nn.Module.__call__``,
+``torch.utils.checkpoint.checkpoint`` ...) only through :func:`thread_local_patch`: the name
+gets a *dispatcher* (reference-counted, removed when the last patch of that name ends) that
+calls the replacement in a thread that entered the patch and the original elsewhere, so another
+thread calling a module during a first routed call runs the real ``__call__``.
+:func:`trace_patching_this_thread` sends torch.fx's own patching through it too, and
+:data:`TRACING_LOCK` lets one thread trace at a time; routed calls that do not trace never
+take it.
 """
 
 from __future__ import annotations
 
 import builtins
 import contextlib
+import inspect
+import sys
 import threading
+import types
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+import torch.fx as fx
 import torch.fx._symbolic_trace as fx_trace
+from torch import nn
 
 __all__ = [
+    "STILL_PATCHED",
     "thread_local_patch",
     "thread_local_patches",
-    "fx_patches_in_this_thread",
+    "trace_patching_this_thread",
     "TRACING_LOCK",
     "is_dispatcher",
     "unpatched",
 ]
 
+#: What a trace still replaces process-wide while it runs (each through
+#: :func:`thread_local_patch`: other threads call through to the original, but the name is a
+#: dispatcher), and why nothing per thread serves. Everything else the tracer changes is per
+#: thread: grad mode, a ``TorchFunctionMode`` (factories, size methods), a profile function
+#: (Python random numbers, :mod:`.thread_calls`), a traced value's ``__class__``
+#: (``isinstance``, ``torch.is_tensor``), dynamo's config, fx's patcher.
+STILL_PATCHED = {
+    "torch.nn.Module.__call__": "fx's Tracer.trace records module calls by patching it; a call "
+    "is looked up on the class, so nothing per thread or per instance intercepts it short of "
+    "swapping the model's instances' classes or rewriting fx's trace",
+    "torch.nn.Module.__getattr__": "fx's Tracer.trace patches it to hand out parameters as "
+    "graph values; looked up on the class, as __call__ is",
+    "torch.fx.wrap": "every function registered with torch.fx.wrap, in the namespace that "
+    "registered it (fx's trace patches them all): a call of a Python function has no "
+    "per-thread hook that can record it instead",
+    "math": "math's functions (fx's autowrap_modules) and a model module's globals holding such "
+    "a function or a leaf function (fx's autowrap): a C function handed a traced size must be "
+    "recorded, not computed on the size's value, and no TorchFunctionMode sees math",
+    "torch.utils.checkpoint.checkpoint": "also its aliases imported or held by the model's "
+    "modules: checkpoint(block.forward, x) must become a call of the block, and torch's "
+    "checkpoint would run its saved-tensor hooks and autograd Function on traced values",
+    "callable": "added to the model's own modules' globals: callable() reads the type, which "
+    "is the proxy class for any traced value, not __class__ as isinstance does",
+    "torch.autograd.Function.apply": "apply, forward and setup_context of a custom autograd "
+    "Function the trace found opaque, on its retry: each call becomes one node, and apply "
+    "is a classmethod no TorchFunctionMode sees",
+    "leaf function attributes": "a leaf function a model's module holds as an attribute "
+    "(self.op = fn), an attribute of the model itself: recorded as one node",
+}
 TRACING_LOCK = threading.RLock()
 _MISSING = object()
 _REGISTRY_LOCK = threading.Lock()
@@ -193,9 +230,19 @@ class _ThreadPatcher(fx_trace._Patcher):
         self.visited.clear()
 
 
-@contextlib.contextmanager
-def fx_patches_in_this_thread() -> Iterator[None]:
-    """Make ``fx.Tracer.trace`` in this thread patch (``_new_patcher``) only for this thread,
-    so another thread calling any ``nn.Module`` during the trace runs the real ``__call__``."""
-    with thread_local_patch(fx_trace, "_new_patcher", lambda previous: _ThreadPatcher):
-        yield
+def trace_patching_this_thread(tracer: fx.Tracer, root: nn.Module) -> fx.Graph:
+    """``tracer.trace(root)``, whose patches (``nn.Module.__call__`` ...) go through
+    :func:`thread_local_patch`, so another thread calling any ``nn.Module`` during the trace
+    runs the real ``__call__``.
+
+    fx's own ``Tracer.trace`` code runs, with a copy of its module's globals in which
+    ``_new_patcher`` makes this thread's patcher: no name of fx's module is replaced. Where
+    dynamo has wrapped ``Tracer.trace`` (``disable``, once a first ``torch.compile`` imported
+    it), the copy is wrapped alike.
+    """
+    namespace = {**vars(fx_trace), "_new_patcher": _ThreadPatcher}
+    trace = inspect.unwrap(fx.Tracer.trace)
+    run = types.FunctionType(trace.__code__, namespace, trace.__name__, trace.__defaults__)
+    if fx.Tracer.trace is not trace:
+        run = sys.modules["torch._dynamo"].disable(run)
+    return run(tracer, root)

@@ -54,13 +54,13 @@ from tread_fx.passes.trace.support import (
     factories_take_proxies,
     failure_reason,
     name_placeholders,
-    refuse_python_random,
     side_effect_error,
     traceback_location,
     traced_values_are_tensors,
     untraceable_error,
 )
-from tread_fx.passes.trace.thread_patch import TRACING_LOCK, fx_patches_in_this_thread
+from tread_fx.passes.trace.thread_calls import watch_thread_calls
+from tread_fx.passes.trace.thread_patch import TRACING_LOCK, trace_patching_this_thread
 from tread_fx.passes.trace.value_tracer import EagerFailure, ValueTracer, fetch_attr
 
 __all__ = [
@@ -326,16 +326,15 @@ def trace_restoring_state(
         try:
             with (
                 torch.random.fork_rng(devices=devices),
-                fx_patches_in_this_thread(),
                 factories_take_proxies(tracer),
-                refuse_python_random(tracer),
+                watch_thread_calls(tracer),
                 checkpoint_as_plain_call(tracer, model),
                 dynamo_wrappers_call_through(),
                 traced_values_are_tensors(tracer, model),
                 functions_as_calls(tracer, getattr(tracer, "opaque_functions", frozenset())),
                 leaf_functions_held_by_modules(tracer, model),
             ):
-                return tracer.trace(wrapper)
+                return trace_patching_this_thread(tracer, wrapper)
         finally:
             with torch.no_grad():
                 for live, saved in buffers:

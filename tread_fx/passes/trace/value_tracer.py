@@ -32,6 +32,7 @@ from tread_fx.passes.trace.opaque import (
 )
 from tread_fx.passes.trace.support import (
     DataDependentError,
+    asks_as_model_code,
     has_call_hooks,
     is_compiled_module_wrapper,
     is_stateless,
@@ -73,8 +74,43 @@ class EagerFailure(Exception):
         self.original = original
 
 
+class _TorchFunction:
+    """``ValueProxy.__torch_function__``: fx's, except on a proxy of an ``int`` while the
+    tracing thread calls a function taking sizes as varargs (``torch.ones(b, n)``, see
+    :mod:`.thread_calls`): torch's argument parser rejects a first vararg that has one, so it
+    has none, and the tracing thread's ``TorchFunctionMode`` records the call."""
+
+    def __get__(self, proxy: Any, cls: type) -> Any:
+        fx_function = vars(fx.Proxy)["__torch_function__"].__get__(proxy, cls)
+        if proxy is None or getattr(proxy.tracer, "sizes_call", None) is None:
+            return fx_function
+        if type(proxy.tracer.values.get(proxy.node)) is not int:
+            return fx_function
+        return torch._C._disabled_torch_function_impl
+
+
 class ValueProxy(fx.Proxy):
     """A proxy that also knows the value the eager forward computes at this point."""
+
+    __torch_function__ = _TorchFunction()
+
+    @property
+    def __class__(self) -> type:  # type: ignore[override]
+        """The class of the tensor this stands for where the model's code asks with
+        ``isinstance`` (which reads ``__class__`` when the type does not match; the tracing
+        thread's profile function keeps the frames calling it, :mod:`.thread_calls`, and
+        :func:`.support.asks_as_model_code` decides), else this proxy's own class. Only a
+        call of ``isinstance`` itself: C code that checks for a tensor the same way (and
+        would then read the proxy as one) sees the proxy's class."""
+        tracer = self.__dict__.get("tracer")
+        checks = getattr(tracer, "type_checks", None)
+        if not checks or not asks_as_model_code(checks[-1], tracer.model_namespaces):
+            return type(self)
+        try:
+            value = tracer.value_of(self)
+        except (KeyError, AttributeError):  # not recorded (yet): a proxy being made
+            return type(self)
+        return type(value) if isinstance(value, torch.Tensor) else type(self)
 
     @property
     def value(self) -> Any:
@@ -180,6 +216,9 @@ class ValueTracer(fx.Tracer):
         self.autograd_reads: set[fx.Node] = set()  # ``x.requires_grad``: not what training sees
         self.module_stack: list[str] = []
         self.running_eager = 0
+        self.model_namespaces: set[int] = set()  # the model's modules' globals (ids)
+        self.sizes_call: Any = None  # the C call taking sizes as varargs now parsed
+        self.type_checks: list = []  # frames calling ``isinstance`` now (innermost last)
         self.checkpointed: set[int] = set()
         self.example_classes: set[tuple] = set()
         self.through_hooks = through_hooks
