@@ -233,3 +233,66 @@ def test_projections_side_by_side_are_no_stack():
         tread_fx.explain(SideBySide(False), [(0, 1)], 0.5, ((x, t), {}), flops=False)
     exp = tread_fx.explain(SideBySide(True), [(0, 3)], 0.5, ((x, t), {}), flops=False)
     assert [b.path for b in exp.blocks] == ["b0", "b1", "b2"]
+
+
+class Attend(nn.Module):
+    """Attention of ``x`` over ``context`` (itself when none), with a residual."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.q, self.kv = nn.LayerNorm(D), nn.Linear(D, D), nn.Linear(D, 2 * D)
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.norm(x)
+        k, v = self.kv(h if context is None else context).chunk(2, dim=-1)
+        return x + nn.functional.scaled_dot_product_attention(self.q(h), k, v)
+
+
+class Stage(nn.Module):
+    """``for attn, ff in self.layers``: a list of [attention, feed-forward] pairs."""
+
+    def __init__(self, depth: int) -> None:
+        super().__init__()
+        ff = lambda: nn.Sequential(nn.LayerNorm(D), nn.Linear(D, D))  # noqa: E731
+        self.layers = nn.ModuleList(nn.ModuleList([Attend(), ff()]) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
+        for attn, ff in self.layers:
+            x = attn(x, context)
+            x = x + ff(x)
+        return x
+
+
+class ClassAttention(Stem):
+    """Patch layers, then class-attention layers over them (CaiT's layout): two same-class
+    stages, the second taking the first's output only as its context."""
+
+    def __init__(self, stages: bool) -> None:
+        super().__init__()
+        self.cls = nn.Parameter(torch.randn(1, 1, D))
+        self.patches = Stage(4) if stages else Attend()
+        self.classes = Stage(2) if stages else Attend()
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x) + self.time(t[:, None])[:, None]
+        x = self.patches(x)
+        return self.head(self.classes(self.cls.expand(x.shape[0], -1, -1), context=x))
+
+
+def test_stages_holding_block_lists_are_no_run_their_lists_are_the_stack():
+    """Before: {patches,classes} was a run of two blocks, its members traced as leaves hid the
+    layers, and route (1, -1) was refused as covering no block."""
+    x, t = _inputs()
+    exp = tread_fx.explain(ClassAttention(True), [(1, -1)], 0.5, ((x, t), {}), flops=False)
+    assert [(s["path"], s["count"]) for s in exp.stacks] == [("patches.layers", 4)]
+    model = ClassAttention(True)
+    tread_fx.route(model, routes=[(1, -1)], rate=0.5)
+    assert model.train()(x, t).shape == (B, 1, 3)
+
+
+def test_a_block_taking_the_one_before_as_context_is_no_run():
+    """Same-class blocks whose second takes the first's output only as its context hand no
+    stream on (before: a two-block run, routed into the context)."""
+    x, t = _inputs()
+    with pytest.raises(BlockStackNotFoundError):
+        tread_fx.explain(ClassAttention(False), [(0, 2)], 0.5, ((x, t), {}), flops=False)

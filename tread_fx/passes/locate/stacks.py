@@ -86,7 +86,7 @@ def candidate_stacks(model: nn.Module) -> dict[str, Any]:
             single[path] = members
         elif not isinstance(module, nn.Sequential) and len(members) >= 2:
             mixed[path] = members
-    found |= attribute_runs(model, found, block_class)
+    found |= _runs_of_blocks(model, found)
     classes = {block_class(m) for members in found.values() for m in members}
     # a one-block list inside a block is part of that block; inside a list of stages (lists
     # of blocks: ``stages[1]`` holding one block between longer stages) it is a stage
@@ -95,6 +95,19 @@ def candidate_stacks(model: nn.Module) -> dict[str, Any]:
         if block_class(module[0]) in classes and not path.startswith(inside):
             found[path] = module
     return found or mixed
+
+
+def _runs_of_blocks(model: nn.Module, lists: dict[str, Any]) -> dict[str, Any]:
+    """Runs of block attributes (:func:`~tread_fx.passes.locate.members.attribute_runs`) whose
+    members hold none of ``lists``: a run of stages that each hold a block list of their own
+    (CaiT's patch and class-attention transformers) would be traced as leaves and hide the
+    blocks of those lists, which are the candidates there."""
+    runs = attribute_runs(model, lists, block_class)
+    return {
+        path: members
+        for path, members in runs.items()
+        if not any(p.startswith(f"{m}.") for m, _ in stack_members(model, path) for p in lists)
+    }
 
 
 #: containers whose members may be the blocks (a ModuleDict iterated by its values or keys)
@@ -217,8 +230,9 @@ def _valid_sequence(model: nn.Module, path: str, nodes: list[fx.Node]) -> bool:
     """Members called once each, in order, each on what the one before computed: parallel
     calls on one input (patch embedders at several scales, per-branch heads) are no stack.
     A run's members may be called in any order (data flow orders them), each once, all
-    handing on in one argument slot (a same-class text block feeding the first block's
-    context is no part of it)."""
+    handing on in one argument slot, the one the first member takes the stream in (a
+    same-class text block feeding the first block's context is no part of it, nor is a
+    class-attention stage taking the stage before it as its context)."""
     members = [m for m, _ in stack_members(model, path)]
     called = [member_path(n.target[len(MODEL_PREFIX) :], path) for n in nodes]
     run = is_run(path)
@@ -228,7 +242,7 @@ def _valid_sequence(model: nn.Module, path: str, nodes: list[fx.Node]) -> bool:
         return False
     if not all(a in data_ancestors(b, {a}) for a, b in zip(nodes, nodes[1:])):
         return False
-    return not run or bool(_common_handed_slots(nodes))
+    return not run or bool(_common_handed_slots(nodes) & set(input_slots(nodes[0])))
 
 
 def _common_handed_slots(nodes: list[fx.Node]) -> set[tuple]:
