@@ -25,6 +25,7 @@ from torch.utils import _pytree as pytree
 from tread_fx.adapters.values import TensorMeta
 from tread_fx.passes.trace.concats import record_leaf_concatenation
 from tread_fx.passes.trace.mutation import functional_setitem, is_inplace_method
+from tread_fx.passes.trace.numpy_calls import array_protocol, array_ufunc, python_scalar
 from tread_fx.passes.trace.opaque import (
     LeavesTorchError,
     function_forward_in_stack,
@@ -154,7 +155,12 @@ class ValueProxy(fx.Proxy):
             return format(value, spec)  # shape-derived: f-strings in messages read naturally
         return format(repr(self), spec)
 
+    def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
+        return array_ufunc(self, ufunc, method, inputs, kwargs)  # np.sqrt(n): .numpy_calls
+
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("__array"):  # numpy's protocols (np.asarray, np.prod(x.shape))
+            array_protocol(self, name)
         value = self.tracer.value_of(self)
         if (
             isinstance(value, torch.Tensor)
@@ -369,9 +375,10 @@ class ValueTracer(fx.Tracer):
 
     def create_arg(self, a: Any) -> Any:
         """Give ``get_attr`` nodes that fx makes for tensor attributes their value and meta; an
-        object fx has no argument type for becomes a constant (:func:`store_object_constant`)."""
+        object fx has no argument type for becomes a constant (:func:`store_object_constant`);
+        a numpy scalar (``np.sqrt(d)`` kept as an attribute) is the Python number it equals."""
         try:
-            arg = super().create_arg(a)
+            arg = super().create_arg(python_scalar(a))
         except NotImplementedError:
             name = store_object_constant(self.root, a)
             if name is None:
