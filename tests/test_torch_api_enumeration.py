@@ -210,8 +210,8 @@ def test_an_answer_outside_the_call_key_is_checked_on_every_call():
 
 class GradAware(IssueDiT):
     def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        if x.requires_grad:  # the trace's copies never require grad: refused, not baked
-            x = x * 2
+        if x.is_leaf:  # the trace's copies are always leaves: refused, not baked
+            x = x * 2  # (requires_grad is answered: tests/test_requires_grad_reads.py)
         return super().forward(x, t)
 
 

@@ -23,8 +23,14 @@ from torch.fx.proxy import Attribute
 from torch.utils import _pytree as pytree
 
 from tread_fx.adapters.values import TensorMeta
+from tread_fx.passes.trace.autograd_flags import (
+    answer_requires_grad,
+    requires_grad_of,
+    with_grad_flags,
+)
 from tread_fx.passes.trace.concats import record_leaf_concatenation
 from tread_fx.passes.trace.mutation import functional_setitem, is_inplace_method
+from tread_fx.passes.trace.numpy_calls import array_protocol, array_ufunc, python_scalar
 from tread_fx.passes.trace.opaque import (
     LeavesTorchError,
     function_forward_in_stack,
@@ -154,13 +160,20 @@ class ValueProxy(fx.Proxy):
             return format(value, spec)  # shape-derived: f-strings in messages read naturally
         return format(repr(self), spec)
 
+    def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
+        return array_ufunc(self, ufunc, method, inputs, kwargs)  # np.sqrt(n): .numpy_calls
+
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("__array"):  # numpy's protocols (np.asarray, np.prod(x.shape))
+            array_protocol(self, name)
         value = self.tracer.value_of(self)
         if (
             isinstance(value, torch.Tensor)
             and self.tracer.api_kind("attribute", name) == "metadata"
         ):
             return getattr(value, name)  # dtype, device: part of the signature guard
+        if name == "requires_grad" and isinstance(value, torch.Tensor):
+            return answer_requires_grad(self)  # as training sees it, checked on every call
         if name == "shape" and isinstance(value, torch.Tensor):
             # a real tuple (``isinstance(x.shape, tuple)`` holds) of traced sizes
             return tuple(self.size(i) for i in range(value.dim()))
@@ -213,7 +226,10 @@ class ValueTracer(fx.Tracer):
         self.example = example
         self.values: dict[fx.Node, Any] = {}
         self.tainted: set[fx.Node] = set()
-        self.autograd_reads: set[fx.Node] = set()  # ``x.requires_grad``: not what training sees
+        self.autograd_reads: set[fx.Node] = set()  # ``x.grad_fn``: not what training sees
+        # whether each value requires grad in the real call (:mod:`.autograd_flags`)
+        self.grad_flags: dict[fx.Node, bool] = {}
+        self.input_grads: dict[str, bool] = {}  # placeholder -> the real input's flag
         self.module_stack: list[str] = []
         self.running_eager = 0
         self.model_namespaces: set[int] = set()  # the model's modules' globals (ids)
@@ -347,6 +363,7 @@ class ValueTracer(fx.Tracer):
         if kind == "call_module" and target in self.leaf_paths:
             self._keep_example_inputs(node, target, args, kwargs)
         self.values[node] = value
+        self.grad_flags[node] = requires_grad_of(self, kind, target, node, value)
         node.meta["tread_meta"] = _meta_of(value)
         if kind == "call_function" and id(target) in self.leaf_function_ids:
             record_leaf_concatenation(node, value, self.values)  # pack([x, registers])
@@ -361,7 +378,7 @@ class ValueTracer(fx.Tracer):
     def _keep_example_inputs(self, node: fx.Node, target: str, args, kwargs) -> None:
         """Keep the real inputs of each leaf class's first call of each signature (the plan
         stage traces routed blocks through on them, :mod:`.block`; the pipeline drops them)."""
-        values = self._values((args, kwargs))
+        values = with_grad_flags(self, (args, kwargs))
         key = (type(self.root.get_submodule(target)), _call_signature(values))
         if key not in self.example_classes:
             self.example_classes.add(key)
@@ -369,9 +386,10 @@ class ValueTracer(fx.Tracer):
 
     def create_arg(self, a: Any) -> Any:
         """Give ``get_attr`` nodes that fx makes for tensor attributes their value and meta; an
-        object fx has no argument type for becomes a constant (:func:`store_object_constant`)."""
+        object fx has no argument type for becomes a constant (:func:`store_object_constant`);
+        a numpy scalar (``np.sqrt(d)`` kept as an attribute) is the Python number it equals."""
         try:
-            arg = super().create_arg(a)
+            arg = super().create_arg(python_scalar(a))
         except NotImplementedError:
             name = store_object_constant(self.root, a)
             if name is None:
