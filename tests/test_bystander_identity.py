@@ -6,8 +6,8 @@ loaded module and the attributes of ``torch.Tensor``, ``nn.Module`` and the cust
 Functions (:mod:`identity_snapshot`), and compares them with a snapshot taken before the
 first routed call. The model uses what the tracer handles: factories and size methods with
 traced sizes, ``torch.arange``/``tensor``, ``math``, ``torch.is_tensor``, ``isinstance``,
-``callable``, activation checkpointing. Every changed name must fall under a listed reason,
-and the reasons this model meets are asserted, so the list cannot grow unnoticed. A
+``callable``, ``type``, activation checkpointing. Every changed name must fall under a listed
+reason, and the reasons this model meets are asserted, so the list cannot grow unnoticed. A
 ``torch.compile(fullgraph=True)`` in the bystander reaches ``torch.ones``, ``Tensor.expand``
 and ``random.random`` (a dispatcher in their place broke its graph).
 """
@@ -38,6 +38,7 @@ LISTED = {
     "math",
     "torch.utils.checkpoint.checkpoint",
     "callable",
+    "type",
     "torch.autograd.Function.apply",
     "leaf function attributes",
 }
@@ -83,6 +84,7 @@ class TokenModel(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed(x)
         if torch.is_tensor(h) and isinstance(h, torch.Tensor) and not callable(h):
+            h = h if type(h) is torch.Tensor else h * 2
             h = h + self.cls.expand(x.shape[0], -1, -1)
         for block in self.blocks:
             h = ckpt.checkpoint(block, h, use_reentrant=False)
@@ -103,8 +105,8 @@ def _reason(space: str, name: str, old: object, wrapped: set[tuple[int, str]]) -
         return "math"
     if old is ckpt.checkpoint:
         return "torch.utils.checkpoint.checkpoint"
-    if space == f"module {__name__}" and name == "callable":
-        return "callable"
+    if space == f"module {__name__}" and name in ("callable", "type"):
+        return name
     return None
 
 

@@ -24,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import functools
 import inspect
@@ -411,19 +412,21 @@ def asks_as_model_code(frame: types.FrameType, namespaces: set[int]) -> bool:
 
 def traced_values_are_tensors(tracer: Any, model: nn.Module) -> AbstractContextManager:
     """Make ``torch.is_tensor`` and ``isinstance(v, torch.Tensor)`` true for traced tensors,
-    and ``callable(v)`` answer as for the value a traced value stands for.
+    and ``callable(v)`` and ``type(v)`` answer as for the value a traced value stands for.
 
     Else ``if not torch.is_tensor(t): t = torch.tensor([t])`` takes a branch it never takes
     eagerly. A traced value's ``__class__`` is its value's class where the model's modules or
     ``torch.is_tensor`` (called from outside torch) ask (:func:`asks_as_model_code`, set here
     as ``tracer.model_namespaces``): ``isinstance`` reads it, and no name changes. ``callable``
-    reads the type, not ``__class__``: the model's modules see a ``callable`` of their own
-    (for the tracing thread only)."""
+    reads the type, not ``__class__``, and so does ``type``: the model's modules see a
+    ``callable`` and a ``type`` of their own (for the tracing thread only)."""
 
     def traced_callable(obj: Any) -> bool:
         if isinstance(obj, fx.Proxy) and obj.tracer is tracer:
             return callable(tracer.value_of(obj))
         return callable(obj)
+
+    traced_type = _type_of_values(tracer)
 
     namespaces = {
         id(ns): ns
@@ -431,7 +434,35 @@ def traced_values_are_tensors(tracer: Any, model: nn.Module) -> AbstractContextM
         if not str(ns.get("__name__", "")).startswith(("torch.", "tread_fx."))
     }
     tracer.model_namespaces = set(namespaces)
-    uncalled = [ns for ns in namespaces.values() if "callable" not in ns]
+    patches = [("callable", traced_callable), ("type", traced_type)]
     return thread_local_patches(  # seen by the tracing thread only
-        [(ns, "callable", lambda _: traced_callable) for ns in uncalled]
+        [
+            (ns, name, lambda _, own=own: own)
+            for ns in namespaces.values()
+            for name, own in patches
+            if name not in ns
+        ]
     )
+
+
+def _type_of_values(tracer: Any) -> type:
+    """The ``type`` the model's modules see while ``tracer`` traces: ``type(v)`` of one of its
+    traced values is the class of the value it stands for (``type(x) is torch.Tensor`` holds
+    as it does eagerly; it read the proxy class, and the other branch was traced silently);
+    every other use is the builtin's (three-argument calls, ``isinstance(c, type)``)."""
+
+    class TypeOfValues(type):
+        def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+            obj = args[0] if len(args) == 1 and not kwargs else None
+            if isinstance(obj, fx.Proxy) and obj.tracer is tracer:
+                with contextlib.suppress(KeyError, AttributeError):  # a proxy being made
+                    return builtins.type(tracer.value_of(obj))
+            return builtins.type(*args, **kwargs)
+
+        def __instancecheck__(cls, obj: Any) -> bool:
+            return isinstance(obj, builtins.type)
+
+        def __subclasscheck__(cls, sub: Any) -> bool:
+            return issubclass(sub, builtins.type)
+
+    return TypeOfValues("type", (), {})

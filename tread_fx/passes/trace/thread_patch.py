@@ -61,6 +61,9 @@ STILL_PATCHED = {
     "checkpoint would run its saved-tensor hooks and autograd Function on traced values",
     "callable": "added to the model's own modules' globals: callable() reads the type, which "
     "is the proxy class for any traced value, not __class__ as isinstance does",
+    "type": "added to the model's own modules' globals: type(v) is the proxy class for any "
+    "traced value (type(x) is torch.Tensor took the other branch, silently), and no hook "
+    "changes what the builtin returns",
     "torch.autograd.Function.apply": "apply, forward and setup_context of a custom autograd "
     "Function the trace found opaque, on its retry: each call becomes one node, and apply "
     "is a classmethod no TorchFunctionMode sees",

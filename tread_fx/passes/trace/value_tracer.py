@@ -30,12 +30,13 @@ from tread_fx.passes.trace.autograd_flags import (
 )
 from tread_fx.passes.trace.concats import record_leaf_concatenation
 from tread_fx.passes.trace.mutation import functional_setitem, is_inplace_method
-from tread_fx.passes.trace.numpy_calls import array_protocol, array_ufunc, python_scalar
+from tread_fx.passes.trace.numpy_calls import array_protocol, python_scalar
 from tread_fx.passes.trace.opaque import (
     LeavesTorchError,
     function_forward_in_stack,
     function_forwards,
 )
+from tread_fx.passes.trace.python_protocols import PythonProtocols, TracedShape
 from tread_fx.passes.trace.support import (
     DataDependentError,
     asks_as_model_code,
@@ -95,7 +96,7 @@ class _TorchFunction:
         return torch._C._disabled_torch_function_impl
 
 
-class ValueProxy(fx.Proxy):
+class ValueProxy(PythonProtocols, fx.Proxy):
     """A proxy that also knows the value the eager forward computes at this point."""
 
     __torch_function__ = _TorchFunction()
@@ -160,9 +161,6 @@ class ValueProxy(fx.Proxy):
             return format(value, spec)  # shape-derived: f-strings in messages read naturally
         return format(repr(self), spec)
 
-    def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
-        return array_ufunc(self, ufunc, method, inputs, kwargs)  # np.sqrt(n): .numpy_calls
-
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__array"):  # numpy's protocols (np.asarray, np.prod(x.shape))
             array_protocol(self, name)
@@ -176,7 +174,7 @@ class ValueProxy(fx.Proxy):
             return answer_requires_grad(self)  # as training sees it, checked on every call
         if name == "shape" and isinstance(value, torch.Tensor):
             # a real tuple (``isinstance(x.shape, tuple)`` holds) of traced sizes
-            return tuple(self.size(i) for i in range(value.dim()))
+            return TracedShape(self.size(i) for i in range(value.dim()))
         return ValueAttribute(self, name)
 
     def __setitem__(self, key: Any, value: Any) -> None:
