@@ -138,28 +138,28 @@ def trace_through(
     """
     if inlined and any(has_call_hooks(m) for m in module.modules()):
         return None
-    traced = _trace_forward(module, example, not inlined, partial and not inlined)
+    traced, part = _trace_forward(module, example, not inlined)
     if traced is None and not inlined and has_call_hooks(module):
         traced = _trace_inside_call(module, example)
+    if traced is None and partial and not inlined:
+        traced = part  # the part traced before the line that stopped it (``stopped``)
     guarded = traced is not None and any(
         n.target is check_traced_value for n in traced.gm.graph.nodes
     )
     return None if inlined and guarded else traced
 
 
-def _trace_forward(
-    module: nn.Module, example: Any, through_hooks: bool, partial: bool = False
-) -> TracedCall | None:
-    """``module``'s forward traced on ``example`` (its own hooks not run), or ``None``; with
-    ``partial``, the part traced before a line that stopped it, if any."""
+def _trace_forward(module: nn.Module, example: Any, through_hooks: bool) -> tuple:
+    """``(trace, None)`` of ``module``'s forward on ``example`` (its own hooks not run), or
+    ``(None, the part traced before the line that stopped it, or None)``."""
     args, kwargs = example
     try:
         traced = trace_call(module, tuple(args), dict(kwargs), set(), through_hooks)
     except Exception as err:  # noqa: BLE001 - a block that cannot be traced through stays one call
         _UNTRACED[module] = failure_reason(err)
-        return getattr(err, "partial", None) if partial else None
+        return None, getattr(err, "partial", None)
     _UNTRACED.pop(module, None)
-    return traced
+    return traced, None
 
 
 #: module -> what its last failed trace-through raised (:func:`untraced_reason`)
@@ -183,7 +183,7 @@ def _trace_inside_call(module: nn.Module, example: Any) -> TracedCall | None:
     found: list[TracedCall | None] = []
 
     def trace_here(hooked: nn.Module, args: tuple, kwargs: dict) -> None:
-        found.append(_trace_forward(hooked, (args, kwargs), True))
+        found.append(_trace_forward(hooked, (args, kwargs), through_hooks=True)[0])
 
     args, kwargs = example
     handle = module.register_forward_pre_hook(trace_here, with_kwargs=True)

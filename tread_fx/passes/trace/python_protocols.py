@@ -16,6 +16,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from torch.utils import _pytree as pytree
+
 from tread_fx.passes.trace.numpy_calls import array_ufunc
 
 __all__ = ["PythonProtocols", "TracedShape"]
@@ -47,3 +49,13 @@ class TracedShape(tuple):
 
     def numel(self) -> Any:
         return math.prod(self)
+
+
+# a tuple of traced sizes to torch's pytree too (the tracing thread's TorchFunctionMode looks
+# for proxies among a call's leaves: an unregistered tuple subclass was one opaque leaf)
+pytree.register_pytree_node(
+    TracedShape,
+    lambda shape: (list(shape), None),
+    lambda items, _: TracedShape(items),
+    serialized_type_name="tread_fx.TracedShape",
+)
