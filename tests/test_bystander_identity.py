@@ -17,13 +17,13 @@ from __future__ import annotations
 import math
 import random
 import sys
-import threading
-from collections.abc import Callable
 
 import identity_snapshot
 import torch
 import torch.fx._symbolic_trace as fx_trace
 import torch.utils.checkpoint as ckpt
+from bystander import run_beside_a_trace
+from test_module_threads import Gate
 from torch import nn
 
 import tread_fx
@@ -58,28 +58,13 @@ class Block(nn.Module):
         return x + torch.tanh(self.lin(self.norm(x))) * gate + pos
 
 
-class Head(nn.Module):
-    """Runs ``hook()`` once (while traced)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(D, 3)
-        self.hook: Callable[[], None] | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hook, self.hook = self.hook, None
-        if hook is not None:
-            hook()
-        return self.lin(x)
-
-
 class TokenModel(nn.Module):
     def __init__(self, depth: int = 4) -> None:
         super().__init__()
         self.embed = nn.Linear(3, D)
         self.cls = nn.Parameter(torch.zeros(1, 1, D))
         self.blocks = nn.ModuleList(Block() for _ in range(depth))
-        self.head = Head()
+        self.head = Gate(D)  # runs ``hook()`` once, while traced
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed(x)
@@ -105,7 +90,7 @@ def _reason(space: str, name: str, old: object, wrapped: set[tuple[int, str]]) -
         return "math"
     if old is ckpt.checkpoint:
         return "torch.utils.checkpoint.checkpoint"
-    if space == f"module {__name__}" and name in ("callable", "type"):
+    if module in (__name__, Gate.__module__) and name in ("callable", "type"):  # the model's
         return name
     return None
 
@@ -128,29 +113,12 @@ def _trace_with_a_bystander() -> tuple[dict, dict, list, nn.Module]:
     model = tread_fx.route(TokenModel(), routes=[(1, 3)], seed=0)
     before = identity_snapshot.snapshot(*model.modules())
     seen: dict = {}
-    errors: list[BaseException] = []
-    entered, release = threading.Event(), threading.Event()
 
-    def bystander() -> None:
-        try:
-            entered.wait(timeout=60)
-            seen["after"] = identity_snapshot.snapshot(*model.modules())
-            seen["compiled"] = _compiled_in_bystander()
-        except BaseException as err:  # noqa: BLE001 - reported by the test
-            errors.append(err)
-        finally:
-            release.set()
+    def look() -> None:
+        seen["after"] = identity_snapshot.snapshot(*model.modules())
+        seen["compiled"] = _compiled_in_bystander()
 
-    def held_mid_trace() -> None:  # the main thread is inside the trace here
-        entered.set()
-        release.wait(timeout=120)
-
-    model.head.hook = held_mid_trace
-    thread = threading.Thread(target=bystander)
-    thread.start()
-    model.train()(_inputs())
-    thread.join(timeout=120)
-    assert model.head.hook is None, "the hook ran (the trace happened)"
+    _, errors = run_beside_a_trace(model, _inputs(), look)
     return before, seen, errors, model
 
 
@@ -175,7 +143,7 @@ def test_the_traced_model_routes_with_its_traced_sizes():
     torch.manual_seed(0)
     model = tread_fx.route(TokenModel(), routes=[(1, 3)], seed=0)
     out = model.train()(_inputs())
-    assert out.shape == (B, N, 3)
+    assert out.shape == (B, N, 1)
     assert tread_fx.route_info(model)[0].kept.shape == (B, N // 2)
 
 

@@ -14,18 +14,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from torch import nn
+from idiom_models import B, Block, D, IdiomModel, N, routed_by_hand, twins
 
 import tread_fx
 from tread_fx.errors import UntraceableModelError
 
-B, N, D = 2, 16, 32
 
-
-class Block(nn.Module):
+class NumpyBlock(Block):
     def __init__(self) -> None:
         super().__init__()
-        self.norm, self.lin = nn.LayerNorm(D), nn.Linear(D, D)
         self.scale = np.sqrt(D)  # a numpy scalar attribute
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -33,12 +30,10 @@ class Block(nn.Module):
         return x + self.lin(self.norm(x)) / self.scale + x[..., :side].mean() * 0
 
 
-class Model(nn.Module):
+class Model(IdiomModel):
     def __init__(self) -> None:
-        super().__init__()
-        self.inp, self.out = nn.Linear(8, D), nn.Linear(D, 8)
+        super().__init__(NumpyBlock)
         self.gain = np.float32(0.5)
-        self.blocks = nn.ModuleList(Block() for _ in range(4))
 
     def embed(self, x: torch.Tensor) -> torch.Tensor:
         h = self.inp(x) * self.gain
@@ -47,34 +42,15 @@ class Model(nn.Module):
         h = h.reshape(h.shape[0], grid, grid, width).flatten(1, 2)
         return h / np.log2(np.ceil(h.shape[1] / 2))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.embed(x)
-        for block in self.blocks:
-            h = block(h)
-        return self.out(h)
-
-
-def _reference(model: Model, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Route (1, 3) written out on the kept tokens ``idx``."""
-    h = model.blocks[0](model.embed(x))
-    rows = idx[..., None].expand(-1, -1, D)
-    kept = h.gather(1, rows)
-    for block in model.blocks[1:3]:
-        kept = block(kept)
-    return model.out(model.blocks[3](h.scatter(1, rows, kept)))
-
 
 def test_numpy_shape_arithmetic_and_scalars_route_as_by_hand():
-    torch.manual_seed(0)
-    model, x = Model(), torch.randn(B, N, 8)
-    reference = Model()
-    reference.load_state_dict(model.state_dict())
+    (model, reference), x = twins(Model), torch.randn(B, N, 8)
     eager = reference.eval()(x)
     tread_fx.route(model, routes=[(1, 3)], rate=0.5, seed=0)
     torch.testing.assert_close(model.eval()(x), eager, rtol=0, atol=0)
     out = model.train()(x)
     (info,) = tread_fx.route_info(model)
-    torch.testing.assert_close(out, _reference(reference.train(), x, info.kept))
+    torch.testing.assert_close(out, routed_by_hand(reference.train(), x, info.kept))
 
 
 def test_a_numpy_ufunc_of_a_tensor_in_the_models_forward_is_refused_naming_its_line():
@@ -82,7 +58,7 @@ def test_a_numpy_ufunc_of_a_tensor_in_the_models_forward_is_refused_naming_its_l
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             h = torch.as_tensor(np.tanh(self.embed(x)))  # numpy reads the tokens' data
             for block in self.blocks:
-                h = block(h)
+                h = self.step(block, h)
             return self.out(h)
 
     model = Leaves()

@@ -11,28 +11,12 @@ tracing thread only, ``STILL_PATCHED`` says why), and the others are recorded ca
 from __future__ import annotations
 
 import torch
-from torch import nn
+from idiom_models import B, IdiomModel, N, routed_by_hand, twins
 
 import tread_fx
 
-B, N, D = 2, 16, 32
 
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm, self.lin = nn.LayerNorm(D), nn.Linear(D, D)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.lin(self.norm(x))
-
-
-class Model(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp, self.out = nn.Linear(8, D), nn.Linear(D, 8)
-        self.blocks = nn.ModuleList(Block() for _ in range(4))
-
+class Builtins(IdiomModel):
     def embed(self, x: torch.Tensor) -> torch.Tensor:
         h = self.inp(x)
         if type(h) is not torch.Tensor:  # never eagerly: the proxy class took it
@@ -42,43 +26,24 @@ class Model(nn.Module):
         scale = h.shape.numel() / (h.shape[0] * h.shape[1] * h.shape[2])
         return h * scale + h[:, :half].mean(1, keepdim=True) + h[:, : rows + rest].mean(1, True)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.embed(x)
-        for block in self.blocks:
-            h = block(h)
-        return self.out(h)
 
-
-def _reference(model: Model, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    h = model.blocks[0](model.embed(x))
-    rows = idx[..., None].expand(-1, -1, D)
-    kept = h.gather(1, rows)
-    for block in model.blocks[1:3]:
-        kept = block(kept)
-    return model.out(model.blocks[3](h.scatter(1, rows, kept)))
-
-
-def test_builtins_on_traced_values_route_as_by_hand():
-    torch.manual_seed(0)
-    model, x = Model(), torch.randn(B, N, 8)
-    reference = Model()
-    reference.load_state_dict(model.state_dict())
-    tread_fx.route(model, routes=[(1, 3)], rate=0.5, seed=0)
-    out = model.train()(x)
-    (info,) = tread_fx.route_info(model)
-    torch.testing.assert_close(out, _reference(reference, x, info.kept))
-
-
-class TypeOnly(Model):
+class TypeOnly(IdiomModel):
     def embed(self, x: torch.Tensor) -> torch.Tensor:
         h = self.inp(x)
         return h if type(h) is torch.Tensor else h * 0  # the proxy class: the zero branch
 
 
+def test_builtins_on_traced_values_route_as_by_hand():
+    (model, reference), x = twins(Builtins), torch.randn(B, N, 8)
+    tread_fx.route(model, routes=[(1, 3)], rate=0.5, seed=0)
+    out = model.train()(x)
+    (info,) = tread_fx.route_info(model)
+    torch.testing.assert_close(out, routed_by_hand(reference, x, info.kept))
+
+
 def test_type_of_a_traced_value_takes_the_eager_branch_at_rate_zero():
     """Before: routed training computed ``h * 0`` (the branch ``type`` of a proxy takes)."""
-    torch.manual_seed(0)
-    model, x = TypeOnly(), torch.randn(B, N, 8)
+    (model, _), x = twins(TypeOnly), torch.randn(B, N, 8)
     original = type(model).forward(model, x)
     tread_fx.route(model, routes=[(1, 3)], rate=0.0)
     torch.testing.assert_close(model.train()(x), original, rtol=0, atol=0)

@@ -11,64 +11,34 @@ model after the first call traces again and takes the other branch.
 from __future__ import annotations
 
 import torch
+from idiom_models import B, Block, IdiomModel, N, routed_by_hand, twins
 from torch import nn
 
 import tread_fx
 
-B, N, D = 2, 16, 32
 
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm, self.lin = nn.LayerNorm(D), nn.Linear(D, D)
-
+class GradBlock(Block):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scale = 1.0 if x.requires_grad else 2.0  # inside a block (traced through)
         return x + self.lin(self.norm(x)) * scale
 
 
-class Model(nn.Module):
+class GradModel(IdiomModel):
     def __init__(self) -> None:
-        super().__init__()
-        self.inp, self.out = nn.Linear(8, D), nn.Linear(D, 8)
-        self.blocks = nn.ModuleList(Block() for _ in range(4))
+        super().__init__(GradBlock)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.inp(x)
-        for block in self.blocks:
-            if h.requires_grad:  # the model's own forward: checkpoint when gradients flow
-                h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)
-            else:
-                h = block(h) * 0.5
-        return self.out(h)
-
-
-def _reference(model: Model, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Route (1, 3) written out on the kept tokens ``idx``, as the model's code runs."""
-    step = lambda b, h: b(h) if h.requires_grad else b(h) * 0.5  # noqa: E731
-    h = step(model.blocks[0], model.inp(x))
-    rows = idx[..., None].expand(-1, -1, D)
-    kept = h.gather(1, rows)
-    for block in model.blocks[1:3]:
-        kept = step(block, kept)
-    return model.out(step(model.blocks[3], h.scatter(1, rows, kept)))
-
-
-def _pair() -> tuple[Model, Model]:
-    torch.manual_seed(0)
-    model, reference = Model(), Model()
-    reference.load_state_dict(model.state_dict())
-    return model, reference
+    def step(self, block: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        if h.requires_grad:  # the model's own forward: checkpoint when gradients flow
+            return torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)
+        return block(h) * 0.5
 
 
 def test_requires_grad_is_answered_as_in_training():
-    model, reference = _pair()
-    x = torch.randn(B, N, 8)
+    (model, reference), x = twins(GradModel), torch.randn(B, N, 8)
     tread_fx.route(model, routes=[(1, 3)], rate=0.5, seed=0)
     out = model.train()(x)
     (info,) = tread_fx.route_info(model)
-    expected = _reference(reference.train(), x, info.kept)
+    expected = routed_by_hand(reference.train(), x, info.kept)
     torch.testing.assert_close(out, expected)
     out.square().sum().backward()
     expected.square().sum().backward()
@@ -77,13 +47,12 @@ def test_requires_grad_is_answered_as_in_training():
 
 
 def test_freezing_after_the_first_call_traces_again_and_takes_the_other_branch():
-    model, reference = _pair()
-    x = torch.randn(B, N, 8)
+    (model, reference), x = twins(GradModel), torch.randn(B, N, 8)
     tread_fx.route(model, routes=[(1, 3)], rate=0.5, seed=0)
     model.train()(x)
     model.requires_grad_(False)
     reference.requires_grad_(False)
     out = model(x)
     (info,) = tread_fx.route_info(model)
-    torch.testing.assert_close(out, _reference(reference.train(), x, info.kept))
+    torch.testing.assert_close(out, routed_by_hand(reference.train(), x, info.kept))
     assert not out.requires_grad

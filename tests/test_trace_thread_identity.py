@@ -14,10 +14,10 @@ routes as written by hand.
 from __future__ import annotations
 
 import random
-import threading
 from collections.abc import Callable
 
 import torch
+from bystander import run_beside_a_trace
 from torch import nn
 
 import tread_fx
@@ -111,28 +111,7 @@ def _trace_with_a_bystander() -> tuple[dict, list, torch.Tensor, tread_fx.RouteI
     model = tread_fx.route(TokenModel(), routes=[(1, 3)], seed=0)
     saved = {name: getattr(ns, name) for ns, name in IDENTITY_KEPT}
     report: dict = {}
-    errors: list[BaseException] = []
-    entered, release = threading.Event(), threading.Event()
-
-    def bystander() -> None:
-        try:
-            entered.wait(timeout=60)
-            _bystander(report, saved)
-        except BaseException as err:  # noqa: BLE001 - reported by the test
-            errors.append(err)
-        finally:
-            release.set()
-
-    def held_mid_trace() -> None:  # the main thread is inside the trace here
-        entered.set()
-        release.wait(timeout=120)
-
-    model.head.hook = held_mid_trace
-    thread = threading.Thread(target=bystander)
-    thread.start()
-    out = model.train()(_inputs())
-    thread.join(timeout=120)
-    assert model.head.hook is None, "the hook ran (the trace happened)"
+    out, errors = run_beside_a_trace(model, _inputs(), lambda: _bystander(report, saved))
     return report, errors, out, tread_fx.route_info(model)[0], model
 
 
