@@ -231,8 +231,10 @@ def trace_call(
         wrapper = wrapper_cls(model, in_spec, flat)
         example = {f"t{i}": t.detach().clone() for i, t in enumerate(tensors)}
         paths = {MODEL_PREFIX + p for p in leaf_paths | set(auto_leaves)}
-        tracer = ValueTracer(paths, example, auto_functions, through_hooks, frozenset(opaque))
-        tracer.input_grads = {f"t{i}": t.requires_grad for i, t in enumerate(tensors)}
+        grads = {f"t{i}": t.requires_grad for i, t in enumerate(tensors)}  # example's: detached
+        tracer = ValueTracer(
+            paths, example, auto_functions, through_hooks, frozenset(opaque), grads
+        )
         # registered leaf functions called from the model's own forward (called directly,
         # not through Module.__call__, so fx would not look in its globals by itself)
         tracer._autowrap_search.extend(code_modules)

@@ -214,6 +214,7 @@ class ValueTracer(fx.Tracer):
         functions=(),
         through_hooks=False,
         opaque_functions: frozenset[type] = frozenset(),
+        input_grads: dict[str, bool] | None = None,
     ) -> None:
         leaves = (*leaf_functions(), *functions)
         super().__init__(autowrap_functions=leaves, param_shapes_constant=False)
@@ -227,7 +228,7 @@ class ValueTracer(fx.Tracer):
         self.autograd_reads: set[fx.Node] = set()  # ``x.grad_fn``: not what training sees
         # whether each value requires grad in the real call (:mod:`.autograd_flags`)
         self.grad_flags: dict[fx.Node, bool] = {}
-        self.input_grads: dict[str, bool] = {}  # placeholder -> the real input's flag
+        self.input_grads = input_grads or {}  # placeholder -> the real input's requires_grad
         self.module_stack: list[str] = []
         self.running_eager = 0
         self.model_namespaces: set[int] = set()  # the model's modules' globals (ids)
@@ -376,11 +377,10 @@ class ValueTracer(fx.Tracer):
     def _keep_example_inputs(self, node: fx.Node, target: str, args, kwargs) -> None:
         """Keep the real inputs of each leaf class's first call of each signature (the plan
         stage traces routed blocks through on them, :mod:`.block`; the pipeline drops them)."""
-        values = with_grad_flags(self, (args, kwargs))
-        key = (type(self.root.get_submodule(target)), _call_signature(values))
+        key = (type(self.root.get_submodule(target)), _call_signature(self._values((args, kwargs))))
         if key not in self.example_classes:
             self.example_classes.add(key)
-            node.meta[EXAMPLE_KEY] = values
+            node.meta[EXAMPLE_KEY] = with_grad_flags(self, (args, kwargs))
 
     def create_arg(self, a: Any) -> Any:
         """Give ``get_attr`` nodes that fx makes for tensor attributes their value and meta; an
