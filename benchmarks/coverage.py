@@ -17,8 +17,10 @@ population's section) and ``docs/results/coverage.md`` (generated from the JSON)
 
 Example:
     >>> from benchmarks.coverage import totals
-    >>> totals([{"verdict": "routes"}, {"verdict": "broken"}, {"verdict": "not buildable"}])
-    {'routes': 1, 'refused': 0, 'broken': 1, 'wrong stream': 0, 'not buildable': 1, 'buildable': 2}
+    >>> counts = totals([{"verdict": "routes"}, {"verdict": "broken"},
+    ...                  {"verdict": "not buildable"}])
+    >>> counts["routes"], counts["broken"], counts["mixes samples"], counts["buildable"]
+    (1, 1, 0, 2)
 """
 
 from __future__ import annotations
@@ -47,15 +49,16 @@ CASE_TIMEOUT_S = 300
 def totals(rows: Iterable[dict]) -> dict[str, int]:
     """Verdict counts, plus ``buildable`` (every row that is not *not buildable*).
 
-    ``broken`` includes the *wrong stream* rows (also counted on their own): a model that
-    routes the wrong tokens is broken, however clean its other checks.
+    ``broken`` includes the *wrong stream* and *mixes samples* rows (also counted on their
+    own): a model that routes the wrong tokens, or mixes samples, is broken, however clean
+    its other checks.
     """
     from benchmarks.coverage_checks import VERDICTS
 
     counts = Counter(r["verdict"] for r in rows)
     out = {v: counts.get(v, 0) for v in VERDICTS}
     out["buildable"] = sum(out.values()) - out["not buildable"]
-    out["broken"] += out["wrong stream"]
+    out["broken"] += out["wrong stream"] + out["mixes samples"]
     return out
 
 
@@ -244,7 +247,7 @@ def _causes(rows: list[dict]) -> list[tuple[str, int]]:
     causes = Counter(
         f"{r['verdict']} at {r.get('stage') or '?'}: {r.get('reason', '').split(' (at ')[0][:110]}"
         for r in rows
-        if r["verdict"] in ("refused", "broken", "wrong stream")
+        if r["verdict"] in ("refused", "broken", "wrong stream", "mixes samples")
     )
     return causes.most_common()
 
@@ -290,7 +293,9 @@ def write_markdown(data: dict, path: Path) -> None:
         "every parameter that learns, fewer tokens in the routed blocks, lower forward",
         "FLOPs, `explain()` working (text and JSON), and the selectable positions exactly",
         "those the noisy input reaches at the stack's first block (else *wrong stream*,",
-        "counted in *broken*). See `benchmarks/coverage_checks.py`.",
+        "counted in *broken*), and, with the selection fixed, changing one sample's noisy",
+        "input moves no other sample's routed output (else *mixes samples*, counted in",
+        "*broken*). See `benchmarks/coverage_checks.py`.",
         "",
         "| population | models | routes | refused | broken | not buildable | routes / buildable |",
         "|---|---|---|---|---|---|---|",

@@ -7,7 +7,9 @@ relies on:
 - *routes*: the eval output is bitwise the unrouted model's, the training output keeps its
   shape, rate 0 reproduces the original training forward bitwise, every parameter that
   learns in the original training step gets a gradient, fewer tokens reach the routed blocks
-  and the forward FLOPs drop, and ``explain()`` (text and JSON) works on the same call;
+  and the forward FLOPs drop, the routed positions are the noisy input's (else *wrong
+  stream*), changing one sample's noisy input moves no other sample's routed output (else
+  *mixes samples*), and ``explain()`` (text and JSON) works on the same call;
 - *refused*: ``route()`` or the first routed call raised a ``TreadFxError`` (the reason is
   the message's first line);
 - *broken*: anything else: another exception, or one of the invariants above failed;
@@ -50,7 +52,7 @@ import torch
 from torch import nn
 
 import tread_fx
-from benchmarks.coverage_provenance import stream_mismatch
+from benchmarks.coverage_provenance import samples_mixed, stream_mismatch
 from tread_fx.inspection.flops import flop_counter
 
 __all__ = [
@@ -63,7 +65,7 @@ __all__ = [
     "VERDICTS",
 ]
 
-VERDICTS = ("routes", "refused", "broken", "wrong stream", "not buildable")
+VERDICTS = ("routes", "refused", "broken", "wrong stream", "mixes samples", "not buildable")
 DEFAULT_ROUTES = [(1, -1)]
 
 
@@ -82,6 +84,8 @@ class Case:
             ``None``: the first positional argument, else the first tensor keyword).
         expected: The verdict expected where it is known (``route``, or ``refuse: <why>``);
             shown in the table, it never changes the verdict.
+        batch_dim: The dim of the noisy input and of the first output holding the samples
+            (1 for a sequence-first ``[T, B, C]`` model).
     """
 
     name: str
@@ -92,6 +96,7 @@ class Case:
     note: str = ""
     noisy: str | int | None = None
     expected: str = ""
+    batch_dim: int = 0
 
 
 @dataclass
@@ -283,6 +288,7 @@ def _check_routed(case: Case, ref: _Reference, route_fn: Callable, verdict: Verd
         f"routed forward FLOPs {routed_flops} not below unrouted {ref.flops}",
     )
     _check_stream(case, ref, model)
+    _check_samples_apart(case, ref, model, verdict)
     learned = _attempt("backward", lambda: _learning(model, case))
     missing = sorted(ref.learning - learned)
     _require(
@@ -300,6 +306,18 @@ def _check_stream(case: Case, ref: _Reference, model: nn.Module) -> None:
         raise _Failed("broken", "stream provenance", f"{_reason(err)} (at {_where(err)})") from err
     if why:
         raise _Failed("wrong stream", "stream provenance", why)
+
+
+def _check_samples_apart(case: Case, ref: _Reference, model: nn.Module, verdict: Verdict) -> None:
+    """Changing one sample's noisy input changes no other sample's routed output."""
+    try:
+        why, note = samples_mixed(ref.pristine, model, case.inputs(), case.noisy, case.batch_dim)
+    except Exception as err:  # noqa: BLE001 - a check that cannot run is a broken row
+        raise _Failed("broken", "samples apart", f"{_reason(err)} (at {_where(err)})") from err
+    if note:
+        verdict.note = "; ".join(filter(None, [verdict.note, note]))
+    if why:
+        raise _Failed("mixes samples", "samples apart", why)
 
 
 def _check_rate_zero(case: Case, ref: _Reference, route_fn: Callable) -> None:

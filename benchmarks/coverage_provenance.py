@@ -148,3 +148,72 @@ def stream_mismatch(pristine: nn.Module, routed: nn.Module, call: tuple, noisy: 
         f"routes positions {spans(selectable)} of the {n}-token stream entering {first.path}, "
         f"but the noisy input {name!r} reaches positions {spans(reached)} there"
     )
+
+
+def _sample_changed(value: Any, batch_dim: int, gen: torch.Generator) -> Any:
+    """``value`` with its first sample (index 0 along ``batch_dim``) changed, the rest kept."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(_sample_changed(v, batch_dim, gen) for v in value)
+    out = value.clone()
+    first = out.narrow(batch_dim, 0, 1)
+    first.copy_(perturbed(first, gen))
+    return out
+
+
+def _training_outputs(model: nn.Module, calls: Sequence[tuple]) -> list[torch.Tensor]:
+    """The first output of a training call on each of ``calls``, dropout drawn alike."""
+    from benchmarks.coverage_checks import first_tensor
+
+    outs = []
+    model.train()
+    for args, kwargs in calls:
+        with torch.random.fork_rng(), torch.no_grad():
+            torch.manual_seed(123)
+            outs.append(first_tensor(model(*args, **kwargs)))
+    return outs
+
+
+def _other_samples_moved(a: torch.Tensor, b: torch.Tensor, batch_dim: int) -> bool:
+    rest = a.shape[batch_dim] - 1
+    a, b = (v.narrow(batch_dim, 1, rest).float() for v in (a, b))
+    return bool((a - b).abs().max() > 1e-6 * (float(a.abs().max()) + 1e-30)) if rest else False
+
+
+def samples_mixed(
+    pristine: nn.Module, routed: nn.Module, call: tuple, noisy: Any, batch_dim: int = 0
+) -> tuple[str, str]:
+    """``(why the routed training forward mixes samples, note)``, ``''`` for each when fine.
+
+    With the selection fixed (a copy of ``routed`` draws what ``routed`` draws), the noisy
+    input's first sample is changed: no other sample's output may move. A model whose own
+    training forward moves other samples (batch statistics) cannot be checked: the note says
+    so and the reason is ``''``.
+
+    Args:
+        pristine: The unrouted model (copies are run).
+        routed: The routed model, after one routed training call.
+        call: ``(args, kwargs)`` of a training call.
+        noisy: The case's noisy input (name or position; ``None``: the first input).
+        batch_dim: The dim of the noisy input and of the first output holding the samples.
+    """
+    name = resolve_noisy(pristine, noisy, *call)
+    if name is None:
+        raise RuntimeError(f"the call passes no noisy input {noisy!r}")
+    args, kwargs = call
+    gen = torch.Generator().manual_seed(11)
+    if isinstance(name, int):
+        other = (*args[:name], _sample_changed(args[name], batch_dim, gen), *args[name + 1 :])
+        changed = (other, kwargs)
+    else:
+        changed = (args, {**kwargs, name: _sample_changed(kwargs[name], batch_dim, gen)})
+    plain = _training_outputs(copy.deepcopy(pristine), [call, changed])
+    if _other_samples_moved(*plain, batch_dim):
+        return "", "samples not checked apart: the unrouted training forward mixes them"
+    twin = copy.deepcopy(routed)  # the same selection generator state: the same selection
+    (first,), (second,) = _training_outputs(routed, [call]), _training_outputs(twin, [changed])
+    if _other_samples_moved(first, second, batch_dim):
+        return (
+            f"the routed training forward mixes samples: changing sample 0 of {name!r} (dim "
+            f"{batch_dim}) changes other samples' outputs, which the unrouted forward keeps apart"
+        ), ""
+    return "", ""

@@ -323,6 +323,7 @@ def route(
     fp32_reentry: bool = False,
     routing_probability: float = 1.0,
     stream: str | int | None = None,
+    batch_dim: int | None = None,
 ) -> nn.Module:
     """Make ``model`` train with TREAD token routing, in place.
 
@@ -359,6 +360,9 @@ def route(
         stream: The forward argument whose tokens are routed, by name (``"x"``, else
             ``TokenStreamError``) or position. ``None`` (default): data flow decides, else a
             rule that warns (``StreamChoiceWarning``); docs/design.md "Which stream is routed".
+        batch_dim: The token stream's batch dim, 0 (``[B, N, C]``) or 1 (``[N, B, C]``).
+            ``None`` (default): what the blocks mix tells it (they mix tokens, never
+            samples); where they do not, the route is refused and asks for this option.
 
     Returns:
         ``model`` itself.

@@ -47,6 +47,7 @@ OPTIONS = (
     "share_selection",
     "fp32_reentry",
     "stream",
+    "batch_dim",
 )
 
 
@@ -58,7 +59,8 @@ class RoutingConfig:
         routes: The parsed routes (negative indices not yet resolved).
         rate: Default fraction of tokens routed around.
         selection, blocks, keep_prefix, grid, strict, reinsert, share_selection,
-            fp32_reentry, stream: ``route()``'s arguments of these names (:data:`OPTIONS`).
+            fp32_reentry, stream, batch_dim: ``route()``'s arguments of these names
+            (:data:`OPTIONS`).
         strategy: The selection strategy named by ``selection``.
         block_lists: Paths of the candidate block containers (data flow picks among several).
         depth: Number of blocks when known without tracing, else ``None``.
@@ -76,6 +78,7 @@ class RoutingConfig:
     share_selection: bool | None = None
     fp32_reentry: bool = False
     stream: str | int | None = None
+    batch_dim: int | None = None
     strategy: Strategy = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
     block_lists: list[str] | None = None
     depth: int | None = None
@@ -184,10 +187,11 @@ def resolve_config(
         SelectionError: the selection strategy is unknown.
         BlockStackNotFoundError: ``blocks=`` names no container, or none can be found.
         TokenStreamError: ``stream=`` names no argument of the model's forward, or
-            ``keep_prefix`` is not an int >= 0.
+            ``keep_prefix`` is not an int >= 0, or ``batch_dim`` not 0, 1 or None.
     """
     check_stream_option(model, options.get("stream"))
     _check_keep_prefix(options.get("keep_prefix"))
+    _check_batch_dim(options.get("batch_dim"))
     strategy = get_strategy(options.get("selection", "auto"))
     config = RoutingConfig(parse_routes(routes, rate), rate, **options, strategy=strategy)
     config.block_lists = resolve_block_lists(model, config.blocks)
@@ -195,6 +199,15 @@ def resolve_config(
     if config.depth is not None:
         config.resolved = resolve_routes(config.routes, config.depth, rate)
     return config
+
+
+def _check_batch_dim(batch_dim: object) -> None:
+    if batch_dim is None or (type(batch_dim) is int and batch_dim in (0, 1)):
+        return
+    raise TokenStreamError(
+        f"batch_dim={batch_dim!r} was given; it is the dim of the token stream that holds the "
+        "samples (0 for [B, N, C], 1 for [N, B, C]). Pass 0, 1, or None to let the blocks tell."
+    )
 
 
 def _check_keep_prefix(keep_prefix: object) -> None:

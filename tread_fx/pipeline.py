@@ -358,8 +358,9 @@ def _build(model: nn.Module, args: tuple, kwargs: dict, config: RoutingConfig) -
         traced = trace_call(model, args, kwargs, block_leaf_paths(model, list_paths))
     with stage("locating", lambda: focus):
         explicit = config.blocks is not None
-        info = choose_stream(traced, model, list_paths, explicit, config.keep_prefix, config.stream)
-        thin = None if explicit else thin_stack(traced, model, info, list_paths, config.keep_prefix)
+        prefix, batch_dim = config.keep_prefix, config.batch_dim
+        info = choose_stream(traced, model, list_paths, explicit, prefix, config.stream, batch_dim)
+        thin = None if explicit else thin_stack(traced, model, info, list_paths, prefix, batch_dim)
     if info.choice is not None and info.choice.guessed:
         warn_at_caller(info.choice.message(), StreamChoiceWarning)
     if thin is not None:

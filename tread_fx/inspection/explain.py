@@ -211,6 +211,7 @@ def _stream(built: Built) -> dict[str, Any]:
         "dtype": str(meta.dtype).replace("torch.", ""),
         "batch_dim": info.layout.batch_dim,
         "token_dim": info.layout.token_dim,
+        "batch_reason": info.batch_reason,
         "num_tokens": info.layout.num_tokens,
         "prefix": info.layout.prefix,
         "suffix": info.layout.suffix,
@@ -246,6 +247,7 @@ def explain(
     share_selection: bool | None = None,
     fp32_reentry: bool = False,
     stream: str | int | None = None,
+    batch_dim: int | None = None,
     flops: bool = True,
     progress: Callable[[str], None] | None = None,
 ) -> Explanation:
@@ -266,6 +268,7 @@ def explain(
         share_selection: As for ``route()`` (share one selection across the batch).
         fp32_reentry: As for ``route()`` (the block after each route runs in float32).
         stream: As for ``route()`` (the forward argument whose tokens are routed).
+        batch_dim: As for ``route()`` (the token stream's batch dim; ``None``: the blocks tell).
         flops: Count ATen ops and FLOPs (``make_fx`` on fake tensors); ``False`` is faster.
         progress: Called with a short line before each stage (tracing, planning, FLOP
             counting); the ``tread-fx`` command prints them to stderr.

@@ -341,6 +341,7 @@ def format_report(exp: Explanation, color: bool = False) -> str:
             if st["batch_dim"] == -1
             else f"batch dim {st['batch_dim']}, token dim {st['token_dim']}"
         ),
+        *([f"  batch dim: {st['batch_reason']}"] if st.get("batch_reason") else []),
         f"  {st['num_tokens']} tokens, {st['prefix']} prefix token(s) kept{suffix}{grid}; "
         f"selection '{st['selection']}'",
     ]

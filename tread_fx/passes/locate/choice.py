@@ -251,16 +251,18 @@ def choose_stream(
     explicit: bool,
     keep_prefix: int | None = None,
     stream: str | int | None = None,
+    batch_dim: int | None = None,
 ) -> StreamInfo:
     """Locate the stack and the routed stream, choosing among the model's inputs by data flow.
 
     The arguments are :func:`~tread_fx.passes.locate.stream.locate`'s, and ``stream`` is the
-    user's ``stream=`` (a forward argument name or position, or ``None``). Returns the
+    user's ``stream=`` (a forward argument name or position, or ``None``) and ``batch_dim``
+    its ``batch_dim=``. Returns the
     :class:`StreamInfo` of the chosen stream, its ``choice`` filled in.
     """
     if stream is not None:
         primary = _stream_input(traced, model, stream)
-        info = locate(traced, model, list_paths, explicit, keep_prefix, primary)
+        info = locate(traced, model, list_paths, explicit, keep_prefix, primary, batch_dim)
         info.choice = StreamChoice(
             _describe(model, info), f"stream={stream!r} was given", option=repr(stream)
         )
@@ -270,7 +272,7 @@ def choose_stream(
     found: dict[tuple, StreamInfo] = {}
     for i, primary in enumerate(_candidates(traced.gm.graph, calls)):
         try:
-            info = locate(traced, model, list_paths, explicit, keep_prefix, primary)
+            info = locate(traced, model, list_paths, explicit, keep_prefix, primary, batch_dim)
         except TreadFxError:
             if i == 0:  # the shape-matched input's refusal stands
                 raise
@@ -342,6 +344,7 @@ def thin_stack(
     info: StreamInfo,
     list_paths: list[str],
     keep_prefix: int | None,
+    batch_dim: int | None = None,
 ) -> str | None:
     """A warning (with the count and a ``blocks=`` that covers more) when ``info``, located
     without ``blocks=``, holds under half the blocks of ``list_paths`` that carry the stream
@@ -355,7 +358,7 @@ def thin_stack(
     order = {n: i for i, n in enumerate(traced.gm.graph.nodes)}
     carrying.sort(key=lambda p: order[calls[p][0]])
     try:
-        wider = locate(traced, model, carrying, True, keep_prefix, info.primary)
+        wider = locate(traced, model, carrying, True, keep_prefix, info.primary, batch_dim)
         hint = f"pass blocks={carrying} to route() to span {wider.depth} blocks"
     except TreadFxError:
         others = [p for p in carrying if p not in info.list_paths]

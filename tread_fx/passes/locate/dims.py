@@ -36,6 +36,7 @@ from torch import nn
 
 from tread_fx.adapters.values import NO_BATCH_DIM, TensorMeta
 from tread_fx.errors import SelectionError, TokenStreamError, shown
+from tread_fx.passes.locate.batch_dim import Layout, decide_layout
 from tread_fx.passes.locate.dataflow import (
     argument_name,
     data_ancestors,
@@ -64,19 +65,30 @@ GRID_ROWS = Strategy("rows", False, lambda n, grid: n, select_random)
 
 
 def stream_dims(
-    traced: TracedCall, module: nn.Module, block: Any, primary: fx.Node, lists: list[str]
-) -> tuple[int, int, int, int]:
-    """(batch dim, token dim, batch size, rows folded per sample) of the stream entering
-    ``block`` (the first ``BlockCall``, of ``module``); refuses one of none of the forms above.
-    A main input given as a list of per-sample tensors has the list's length as batch size.
+    traced: TracedCall,
+    module: nn.Module,
+    blocks: list[Any],
+    primary: fx.Node,
+    lists: list[str],
+    batch_dim: int | None = None,
+) -> tuple[tuple[int, int, int, int], str]:
+    """((batch dim, token dim, batch size, rows folded per sample), why) of the stream
+    entering ``blocks[0]`` (a ``BlockCall``, of ``module``); refuses one of none of the forms
+    above. A main input given as a list of per-sample tensors has the list's length as batch
+    size. Where the shape allows several layouts, what the blocks mix decides
+    (:mod:`tread_fx.passes.locate.batch_dim`), or the user's ``batch_dim=``.
     """
+    block = blocks[0]
     meta = block.stream_in.meta["tread_meta"]
     listed = _list_batch(traced, primary)
     if _is_packed(meta.shape, block.node, block.stream_in, _batch_of(primary, listed)):
         _check_one_packed_stream(block.node, module, block.path, block.stream_in, primary)
-        return packed_layout(meta.shape)
+        return packed_layout(meta.shape), "a packed [tokens, dim] stream: no batch dim"
     _check_stream_rank(module, block.path, lists, meta.shape)
-    return _layout(meta, primary, listed)
+    layouts = _layouts(meta, primary, listed)
+    layout, why = decide_layout(traced.gm, blocks, meta.shape, layouts, batch_dim)
+    _check_token_count(meta, layout)
+    return (layout.batch_dim, layout.token_dim, layout.batch_size, layout.folded), why
 
 
 def _list_batch(traced: TracedCall, primary: fx.Node) -> int | None:
@@ -102,35 +114,53 @@ def _batch_of(primary: fx.Node, listed: int | None) -> int | None:
     return meta.shape[0] if meta is not None and len(meta.shape) >= 3 else None
 
 
-def _layout(meta: TensorMeta, primary: fx.Node, listed: int | None) -> tuple[int, int, int, int]:
-    """The dims of a ``[B, N, ...]``, ``[N, B, ...]`` or ``[B * F, N, ...]`` stream."""
+def _input_batch_sizes(primary: fx.Node, listed: int | None) -> list[int]:
+    """The sizes the model's main input may have as its batch: a list's length, else its
+    dim 0 and, for a ``[B, N, C]`` / ``[T, B, C]`` input (sequence-first), its dim 1."""
+    if listed is not None:
+        return [listed]
     pmeta = tensor_meta(primary)
-    batch = pmeta.shape[0] if pmeta is not None and pmeta.shape else meta.shape[0]
-    batch = listed if listed is not None else batch  # a list of per-sample tensors
-    rows, folded = meta.shape[0], 1
-    if rows == batch:
-        layout = 0, 1, batch
-    elif meta.shape[1] == batch:
-        layout = 1, 0, batch
-    elif rows > batch and rows % batch == 0:
-        layout, folded = (0, 1, rows), rows // batch
-    else:
+    if pmeta is None or not pmeta.shape:
+        return []
+    return list(dict.fromkeys(pmeta.shape[: 2 if len(pmeta.shape) == 3 else 1]))
+
+
+def _layouts(meta: TensorMeta, primary: fx.Node, listed: int | None) -> list[Layout]:
+    """The readings of a ``[B, N, ...]``, ``[N, B, ...]`` or ``[B * F, N, ...]`` stream that
+    its shape and the main input's sizes allow, one per batch dim (dim 0 of the input first)."""
+    sizes = _input_batch_sizes(primary, listed) or [meta.shape[0]]
+    rows, second = meta.shape[0], meta.shape[1]
+    found: dict[int, Layout] = {}
+    for i, size in enumerate(sizes):
+        if rows == size:
+            found.setdefault(0, Layout(0, 1, rows))
+        elif i == 0 and rows > size and rows % size == 0:
+            found.setdefault(0, Layout(0, 1, rows, rows // size))  # frames folded in
+        if second == size:
+            found.setdefault(1, Layout(1, 0, second))
+    if not found:
         raise TokenStreamError(
-            f"the token stream has shape {tuple(meta.shape)}, but the batch size {batch} (dim 0 "
-            "of the first input) is in neither of its first two dims nor folded into dim 0; "
-            "tread_fx needs [B, N, ...], [N, B, ...] or [B * F, N, ...] streams: pass blocks= "
-            "naming a stack whose blocks see the batch, or route a model that keeps it (a main "
-            "input given as a list of per-sample tensors has the list's length as batch size)."
+            f"the token stream has shape {tuple(meta.shape)}, but the batch size {sizes[0]} "
+            "(dim 0 of the first input) is in neither of its first two dims nor folded into "
+            "dim 0; tread_fx needs [B, N, ...], [N, B, ...] or [B * F, N, ...] streams: pass "
+            "blocks= naming a stack whose blocks see the batch, or route a model that keeps "
+            "it (a main input given as a list of per-sample tensors has the list's length as "
+            "batch size)."
         )
-    if meta.shape[layout[1]] < 2:
+    return list(found.values())
+
+
+def _check_token_count(meta: TensorMeta, layout: Layout) -> None:
+    """Refuse sequences of one token: routing would save nothing."""
+    tokens, folded = meta.shape[layout.token_dim], layout.folded
+    if tokens < 2:
         raise TokenStreamError(
             f"the token stream has shape {tuple(meta.shape)}: sequences of "
-            f"{meta.shape[layout[1]]} token (dim {layout[1]}"
+            f"{tokens} token (dim {layout.token_dim}"
             + (f"; dim 0 folds {folded} sequences per sample into the batch" if folded > 1 else "")
             + "), so routing would save nothing. Route a stack whose blocks see longer "
             "sequences (pass blocks=), or drop the route."
         )
-    return (*layout, folded)
 
 
 def _feature_sizes(block: nn.Module) -> tuple[set[int], set[int]]:

@@ -83,6 +83,7 @@ class StreamInfo:
     stream_after: fx.Node | None = None
     form_cuts: set[int] = field(default_factory=set)  # blocks a route split ends before
     choice: Any = None  # how the stream was chosen (tread_fx/passes/locate/choice.py StreamChoice)
+    batch_reason: str = ""  # how its batch dim was told (tread_fx/passes/locate/batch_dim.py)
 
     @property
     def depth(self) -> int:
@@ -96,6 +97,7 @@ def locate(
     explicit: bool,
     keep_prefix: int | None = None,
     primary: fx.Node | None = None,
+    batch_dim: int | None = None,
 ) -> StreamInfo:
     """Find the block stack and the token stream in a traced call.
 
@@ -107,6 +109,7 @@ def locate(
         keep_prefix: Number of leading tokens never routed; ``None`` detects it.
         primary: The model input whose stream is routed (``None``: the input shaped like
             the first output; :mod:`tread_fx.passes.locate.choice` tries each candidate).
+        batch_dim: The user's ``batch_dim=`` (``None``: the blocks tell it).
 
     Returns:
         The :class:`StreamInfo`.
@@ -137,14 +140,16 @@ def locate(
             "whose blocks take token sequences."
         )
     module = model.get_submodule(first.path)
-    batch_dim, token_dim, batch, folded = stream_dims(traced, module, first, primary, chain)
+    dims, why = stream_dims(traced, module, blocks, primary, chain, batch_dim)
+    batch_dim, token_dim, batch, folded = dims
     refuse_hierarchical_stages(model, blocks)  # after: a feature map is no token sequence
     num_tokens = meta.shape[token_dim]
     prefix, suffix = joint_parts(
         model, keep_prefix, first.stream_in, primary, token_dim, num_tokens
     )
     layout = StreamLayout(batch_dim, token_dim, batch, num_tokens, prefix, None, suffix, folded)
-    return StreamInfo(blocks, chain, layout, meta, primary, carried, _stream_after_last(blocks))
+    after = _stream_after_last(blocks)
+    return StreamInfo(blocks, chain, layout, meta, primary, carried, after, batch_reason=why)
 
 
 def _unpack_handed_containers(gm: fx.GraphModule, calls: list[fx.Node]) -> None:
