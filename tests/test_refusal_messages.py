@@ -66,7 +66,65 @@ def test_a_top_level_list_is_named_the_model_itself() -> None:
     with pytest.raises(TreadFxError) as caught:
         tread_fx.route(model, [(1, 3)], example_inputs=(torch.randn(2, 4, 8, 8),))
     message = str(caught.value)
-    assert "flows through the model itself" in message and "through :" not in message
+    assert "block list (the model itself)" in message and "through :" not in message
+
+
+class ResidualConvNet(nn.Module):
+    """A network of residual conv blocks (a ResNet body): no token stream anywhere."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+            for _ in range(4)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        for block in self.blocks:
+            h = h + block(h)
+        return h
+
+
+def test_a_conv_net_is_refused_at_route_with_the_reason_on_the_first_line() -> None:
+    model = ResidualConvNet()
+    with pytest.raises(tread_fx.TokenStreamError) as caught:
+        tread_fx.route(model, [(1, 3)])  # no call needed: its blocks are convolutions
+    first = str(caught.value).splitlines()[0]
+    assert "no token sequence flows through ResidualConvNet" in first
+    assert "route a token-based backbone" in first and "blocks=" not in first
+    assert not tread_fx.is_routed(model)
+
+
+def test_a_conv_stack_beside_a_token_stack_is_not_refused_at_route() -> None:
+    model = tiny_dit(depth=4)
+    model.refiner = nn.ModuleList(ConvBlock() for _ in range(3))  # never called
+    tread_fx.route(model, [(1, 3)])
+    x, t, y = dit_inputs()
+    assert model.train()(x, t, y).shape[0] == x.shape[0]
+
+
+class FeatureMapBlock(nn.Module):
+    """A conv block with a linear time projection: only data flow shows the feature map."""
+
+    def __init__(self, channels: int = 4) -> None:
+        super().__init__()
+        self.conv, self.time = nn.Conv2d(channels, channels, 3, padding=1), nn.Linear(1, channels)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.conv(h) + self.time(h.mean((1, 2, 3))[:, None])[:, :, None, None]
+
+
+class FeatureMapBlocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(FeatureMapBlock() for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
 
 
 def _refusals() -> list:
@@ -91,6 +149,21 @@ def _refusals() -> list:
             lambda: tread_fx.route(cnn, [(1, 3)], example_inputs=(torch.randn(2, 4, 8, 8),)),
             id="feature-map-stream",
         ),
+        pytest.param(lambda: tread_fx.route(ResidualConvNet(), [(1, 3)]), id="conv-net"),
+        pytest.param(
+            lambda: tread_fx.route(
+                FeatureMapBlocks(), [(1, 3)], example_inputs=(torch.randn(2, 4, 8, 8),)
+            ),
+            id="feature-map-blocks-with-linear",
+        ),
+        pytest.param(
+            lambda: tread_fx.route(
+                nn.Sequential(*(nn.Linear(8, 8) for _ in range(4))),
+                [(1, 3)],
+                example_inputs=(torch.randn(4, 6, 8),),
+            ),
+            id="batch-dim-untold",
+        ),
         pytest.param(
             lambda: tread_fx.route(
                 tiny_dit(depth=4), [(1, 3)], selection="rows", grid=(3, 5), example_inputs=(x, t, y)
@@ -106,6 +179,7 @@ def test_the_first_line_of_every_refusal_is_short(trigger) -> None:
         trigger()
     first = str(caught.value).splitlines()[0]
     assert 0 < len(first) <= FIRST_LINE, f"{len(first)} characters: {first}"
+    assert not first.rstrip().endswith((":", ",")), f"the reason is not on the first line: {first}"
 
 
 def test_short_first_line_keeps_every_word() -> None:

@@ -218,9 +218,11 @@ class _RoutingState:
             if entry.checked:
                 raise
             raise RoutedGraphError(
-                f"the routed graph failed on its first call ({type(err).__name__}: {err}), "
-                "while the original forward traced fine. A block or the code between blocks "
-                "probably depends on the token count (e.g. a fixed reshape); use "
+                f"the routed graph failed on its first call with {type(err).__name__}; a block "
+                "probably needs the full token count: try selection='rows' or another route.\n"
+                f"({type(err).__name__}: {err}) The original forward traced fine. A block or "
+                "the code between blocks probably depends on the token count (e.g. a fixed "
+                "reshape); use "
                 "selection='rows' for grid-shaped blocks, a route that avoids that code, or "
                 "tread_fx.explain(...) to see the rewritten graph."
             ) from err

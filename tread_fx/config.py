@@ -29,7 +29,11 @@ from tread_fx.errors import BlockStackNotFoundError, TokenStreamError, shown
 from tread_fx.module_state import unwrap
 from tread_fx.passes.locate.choice import check_stream_option
 from tread_fx.passes.locate.members import stack_members
-from tread_fx.passes.locate.stacks import candidate_stacks, resolve_block_lists
+from tread_fx.passes.locate.stacks import (
+    candidate_stacks,
+    convolutional_block,
+    resolve_block_lists,
+)
 from tread_fx.passes.rewrite.insert import Reinsert
 from tread_fx.routes import Route, check_rate, parse_routes, resolve_routes
 from tread_fx.runtime.selection import Strategy, get_strategy
@@ -125,6 +129,22 @@ def _takes_input(member: nn.Module) -> bool:
         return True
 
 
+def _refuse_convolutional(model: nn.Module, stacks: dict[str, list]) -> None:
+    """Refuse at once a model whose every block list holds convolutional blocks only (a conv
+    U-Net, a ResNet): no token sequence can flow through them."""
+    members = [unwrap(m) for s in stacks.values() for m in s if m is not None]
+    if not members or not all(convolutional_block(m) for m in members):
+        return
+    classes = sorted({type(m).__name__ for m in members})
+    raise TokenStreamError(
+        f"no token sequence flows through {type(model).__name__}: its blocks are convolutions "
+        "over feature maps; route a token-based backbone (transformer, Mamba, RWKV).\n"
+        f"Every block list ({', '.join(map(shown, stacks))}) holds convolutional blocks "
+        f"({', '.join(classes)}): 2-D/3-D convolutions and channel norms, no linear layer, "
+        "attention or token norm. TREAD routes tokens around blocks; a feature map has none."
+    )
+
+
 def _known_depth(model: nn.Module, blocks: Any, list_paths: list[str]) -> int | None:
     """The number of blocks when the stack is known without tracing (else ``None``).
 
@@ -141,11 +161,12 @@ def _known_depth(model: nn.Module, blocks: Any, list_paths: list[str]) -> int | 
             )
         if not any(_takes_input(m) for s in stacks.values() for m in s):
             raise BlockStackNotFoundError(
-                f"{type(model).__name__} has no list of blocks that take an input: the members "
-                f"of {', '.join(map(shown, stacks))} take no argument "
-                "(or have no forward), so no token stream can pass through them. Pass "
-                "blocks='<attribute path>' naming the block container."
+                f"{type(model).__name__} has no list of blocks that take an input, so no token "
+                "stream can pass; pass blocks='<attribute path>' naming the block container.\n"
+                f"The members of {', '.join(map(shown, stacks))} take no argument "
+                "(or have no forward)."
             )
+        _refuse_convolutional(model, stacks)
         if len(stacks) > 1:
             return None  # decided by data flow at trace time
         list_paths = list(stacks)

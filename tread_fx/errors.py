@@ -90,9 +90,11 @@ def short_first_line(message: str, limit: int = FIRST_LINE) -> str:
     """Breaks ``message`` after a clause so that its first line has at most ``limit`` chars.
 
     A closing parenthetical (``path: problem (the library's own message)``) goes below;
-    otherwise the break goes after the last sentence or clause end (``. ``, ``; ``, ``: ``, then
-    ``, ``, then a space) outside brackets that keeps the first line short; the rest follows
-    on the next line, unchanged. A message whose first line is short is returned as it is.
+    otherwise the break goes after the last sentence end (``. ``, ``; ``), else the last
+    clause end (``: ``, then ``, ``, then a space) outside brackets that keeps the first line
+    short; the rest follows on the next line, unchanged. A message whose first line is short
+    is returned as it is. (tread_fx's own refusals put their reason and what to do on a first
+    line of their own; this keeps other messages readable.)
 
     Example:
         >>> text = "blocks 2..9 cannot be routed: " + "x " * 80
@@ -107,7 +109,7 @@ def short_first_line(message: str, limit: int = FIRST_LINE) -> str:
         return f"{first[:trailing].rstrip()}\n{first[trailing:]}{newline}{rest}"
     depths = itertools.accumulate((c in "([{") - (c in ")]}") for c in first[: limit + 1])
     outside = [depth <= 0 for depth in depths]  # a break never splits a shape or list
-    for marks in (r"[.;:] ", ", ", " "):
+    for marks in (r"[.;] ", r": ", ", ", " "):  # a whole sentence first, then a clause
         cuts = [m.start() for m in re.finditer(marks, first[: limit + 1]) if outside[m.start()]]
         if cuts and max(cuts) >= 20:
             cut = max(cuts) + 1  # keep the mark on the first line, drop the space

@@ -300,10 +300,10 @@ def _refuse_role_masks(model: nn.Module, info: StreamInfo) -> StreamInfo:
     why = role_mask(info)
     if why is not None:
         raise TokenStreamError(
-            f"{type(model).__name__}: which stream positions are the noisy input's is decided "
-            f"by data, not by the graph.\n{why}. tread_fx routes by position and cannot "
-            "follow such a mask yet; route a model that builds its joint stream by "
-            "concatenation, or pass blocks= naming a stack that sees only image tokens."
+            f"{type(model).__name__}: data, not the graph, decides which stream positions hold "
+            "the noisy input; pass blocks= naming a stack that sees only image tokens.\n"
+            f"{why}. tread_fx routes by position and cannot follow such a mask yet; route a "
+            "model that builds its joint stream by concatenation."
         )
     return info
 

@@ -211,13 +211,25 @@ def _check_stream_rank(block: nn.Module, block_path: str, lists: list[str], shap
     else:
         why = f"a {len(shape)}-D value has no [batch, tokens, ...] layout tread_fx can route"
     raise TokenStreamError(
-        f"no token sequence flows through {', '.join(map(shown, lists))}: the value entering block "
+        f"no token sequence flows through {_lists_text(lists)}: its blocks take a "
+        f"{_kind(shape)}, not [batch, tokens, dim]; route a token-based backbone.\n"
+        f"The value entering block "
         f"{block_path} is a {len(shape)}-D tensor of shape {list(shape)}, not a 3-D [batch, "
         "tokens, dim] (or [tokens, batch, dim]) tensor nor a channels-last 4-D stream "
         f"([B, H, W, C] or [B, N, heads, d]); it is {why}. tread_fx routes token sequences "
-        "only: pass blocks= naming a container whose blocks take token sequences, or route "
-        "a token-based backbone."
+        "only; if another list of the model's blocks takes them, pass blocks= naming it."
     )
+
+
+def _kind(shape: tuple) -> str:
+    """A short name for a value that is no token stream."""
+    return {4: "4-D feature map", 2: "[rows, dim] value"}.get(len(shape), f"{len(shape)}-D tensor")
+
+
+def _lists_text(lists: list[str]) -> str:
+    """The first block list, and how many more (for a first line)."""
+    more = f" (and {len(lists) - 1} more lists)" if len(lists) > 1 else ""
+    return f"{shown(lists[0])}{more}"
 
 
 def token_major_unit(shape) -> str | None:
@@ -285,8 +297,9 @@ def _check_one_packed_stream(
         f"{_argument_label(module, k)} {list(tensor_meta(n).shape)}" for k, n in streams
     )
     raise TokenStreamError(
-        f"block {path} receives {len(streams)} packed [tokens, dim] streams that all "
-        f"come from the noisy input ({found}): the model writes its tokens into one joint "
+        f"block {path} receives {len(streams)} packed token streams from the noisy input, "
+        "and data flow cannot tell which to route; pass blocks= naming other blocks.\n"
+        f"The streams: {found}. The model writes its tokens into one joint "
         "buffer at positions held in index tensors and hands the blocks slices of it, so "
         "which slice carries the noisy tokens (and which is text or conditioning, never "
         "routed) depends on the index values, which data flow cannot tell. tread_fx routes "

@@ -64,9 +64,10 @@ def choose_stack(
     chains = [c for c in chains if sum(len(calls[p]) for p in c) > 1]
     if not chains:
         raise BlockStackNotFoundError(
-            f"no block stack found in {type(model).__name__}: no ModuleList/Sequential of "
-            f"same-class modules is called once per member in order (candidates: "
-            f"{sorted(calls) or 'none'}). Pass blocks='<attribute path>' to route()."
+            f"{type(model).__name__} calls no list of same-class blocks in order, so tread_fx "
+            "finds no block stack; pass blocks='<attribute path>' to route().\n"
+            "No ModuleList/Sequential of same-class modules is called once per member in "
+            f"order (candidates: {sorted(calls) or 'none'})."
         )
     # a list of conv blocks around an attention encoder never beats a token list
     chains = [c for c in chains if not _feature_map(model, c, calls)] or chains
@@ -82,9 +83,10 @@ def choose_stack(
         top = [c for c in top if hops[tuple(c)] == min(hops.values())]
     if len(top) > 1:
         raise AmbiguousBlockStackError(
-            f"several block stacks of {best} blocks qualify in {type(model).__name__}: "
-            f"{[' + '.join(c) for c in top]} ({'; '.join(_describe(c, calls) for c in top)})"
-            f"{_interleaving(top, calls)}; pass {_choices(top)} to route() to choose one."
+            f"{type(model).__name__} has {len(top)} block stacks of {best} blocks and data "
+            f"flow does not pick one; pass blocks= to choose ({_choices(top)}).\n"
+            f"The stacks: {[' + '.join(c) for c in top]} "
+            f"({'; '.join(_describe(c, calls) for c in top)}){_interleaving(top, calls)}."
         )
     if interleaved and len(tied) > 1:  # equal token counts: the hop count picked, say so
         warn_at_caller(_hop_choice(top[0], tied, hops, calls), StreamChoiceWarning)

@@ -60,6 +60,7 @@ __all__ = [
     "block_class",
     "carrying_lists",
     "refuse_hierarchical_stages",
+    "convolutional_block",
 ]
 
 
@@ -407,6 +408,37 @@ def _form_break(chains: list[list[str]], calls: dict[str, list[fx.Node]]) -> str
     known = {p: m for p, m in metas.items() if m is not None}
     forms = {(len(m.shape), m.shape[-1]) for m in known.values()}
     return "; ".join(f"{p}: {list(m.shape)}" for p, m in known.items()) if len(forms) > 1 else ""
+
+
+#: layers that compute on feature maps [B, C, H, W] (or [B, C, F, H, W]) and on nothing else
+_FEATURE_MAP_LAYERS = (
+    nn.Conv2d,
+    nn.Conv3d,
+    nn.ConvTranspose2d,
+    nn.ConvTranspose3d,
+    nn.BatchNorm2d,
+    nn.BatchNorm3d,
+    nn.GroupNorm,
+    nn.InstanceNorm2d,
+    nn.InstanceNorm3d,
+)
+
+
+def convolutional_block(member: nn.Module) -> bool:
+    """Whether a block computes on feature maps only: it holds a 2-D/3-D convolution, and
+    every part with parameters of its own is a convolution or a channel norm (no linear layer,
+    attention, embedding or token norm that could read a token sequence).
+
+    Example:
+        >>> convolutional_block(nn.Sequential(nn.Conv2d(4, 4, 3), nn.GroupNorm(2, 4), nn.SiLU()))
+        True
+        >>> convolutional_block(nn.Sequential(nn.Conv2d(4, 4, 3), nn.Linear(4, 4)))
+        False
+    """
+    parts = list(member.modules())
+    owners = [m for m in parts if any(True for _ in m.parameters(recurse=False))]
+    convs = [m for m in parts if isinstance(m, (nn.Conv2d, nn.Conv3d))]
+    return bool(convs) and all(isinstance(m, _FEATURE_MAP_LAYERS) for m in owners)
 
 
 def _feature_map(model: nn.Module, chain: list[str], calls: dict[str, list[fx.Node]]) -> bool:

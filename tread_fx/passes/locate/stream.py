@@ -135,9 +135,9 @@ def locate(
     meta = first.stream_in.meta.get("tread_meta")
     if not isinstance(meta, TensorMeta):
         raise TokenStreamError(
-            f"no token sequence flows through {', '.join(map(shown, chain))}: the value entering "
-            f"block {first.path} is {meta!r}, not a tensor; pass blocks= naming a container "
-            "whose blocks take token sequences."
+            f"no token sequence flows through {shown(chain[0])}: its first block takes no "
+            "tensor stream; route a token-based backbone, or pass blocks= naming another list.\n"
+            f"The value entering block {first.path} is {meta!r}."
         )
     module = model.get_submodule(first.path)
     dims, why = stream_dims(traced, module, blocks, primary, chain, batch_dim)
@@ -247,8 +247,10 @@ def _refuse_latents(block: BlockCall, slots: dict, from_input: list, handed: lis
         return
     shape = lambda k: list(slots[k].meta["tread_meta"].shape)
     raise TokenStreamError(
-        f"the blocks of {block.list_path!r} process values not computed from the input's "
-        f"tokens (learned latents?)\n{block.path} hands on {_slot_name(handed[0])} "
+        f"the blocks of {block.list_path!r} carry no token of the model's input (learned "
+        "latents?), so there is nothing to route; route a backbone whose blocks carry them.\n"
+        "They process values not computed from the input's tokens: "
+        f"{block.path} hands on {_slot_name(handed[0])} "
         f"{shape(handed[0])} from block to block; "
         "the model's input reaches every block unchanged as "
         f"{_slot_name(from_input[0])} {shape(from_input[0])} (a cross-attention context, as in a"

@@ -287,11 +287,12 @@ def _leaving(region, info, route, stream, entering, layout, carried=(frozenset()
         elif any(in_stream_layout(m, layout) for m in _items(meta)):
             users = ", ".join(u.name for u in outside)
             raise SideInputError(
-                f"value '{node.name}' with shape {_shape_text(meta)} is computed "
-                f"inside route ({route.start}, {route.end}) on the kept tokens only and used "
-                f"after it by {users}, but it has no counterpart at the route start to scatter "
-                "into. Choose a route that does not split it (end the route before it is "
-                "produced or after it is consumed), or pass blocks= to exclude that code."
+                f"route ({route.start}, {route.end}) splits value '{node.name}', made on the "
+                "kept tokens inside it and used after it; end the route before or after it.\n"
+                f"The value has shape {_shape_text(meta)} and is used after the route by "
+                f"{users}, but it has no counterpart at the route start to scatter into. Choose "
+                "a route that does not split it (end the route before it is produced or after "
+                "it is consumed), or pass blocks= to exclude that code."
             )
         else:
             action, reason, counterpart = "pass", "not token-aligned", None
@@ -475,12 +476,12 @@ def _units(route: Route, strategy: Strategy, layout: StreamLayout, grid) -> tupl
         )
     if route.rate > 0 and units == 1:
         raise TokenStreamError(
-            f"route ({route.start}, {route.end}): the stream has {layout.num_tokens} tokens, "
-            f"but only 1 selectable unit ({strategy.name}) once its never-routed "
-            f"{layout.prefix} leading and {layout.suffix} trailing tokens (not computed from "
-            "the main input: text, registers, condition tokens) are left out, so no rate can "
-            "route anything around. Route a stack whose blocks see more image tokens, pass "
-            "keep_prefix= if the prefix was detected wrongly, or drop the route."
+            f"route ({route.start}, {route.end}) has only 1 routable token, so it can save "
+            "nothing; route a stack whose blocks see more image tokens, or drop the route.\n"
+            f"The stream has {layout.num_tokens} tokens, {layout.prefix} leading and "
+            f"{layout.suffix} trailing ones never routed (not computed from the main input: "
+            f"text, registers, condition tokens), leaving 1 selectable unit ({strategy.name}). "
+            "Pass keep_prefix= if the prefix was detected wrongly."
         )
     if route.rate > 0 and keep >= units:
         raise InvalidRateError(

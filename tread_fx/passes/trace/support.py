@@ -232,7 +232,8 @@ def _forward_namespaces(model: nn.Module) -> list[dict]:
 
 def side_effect_error(model: nn.Module, effects: list[str]) -> UntraceableModelError:
     return UntraceableModelError(
-        f"{type(model).__name__}.forward changes the module on every call ("
+        f"{type(model).__name__}.forward changes the module on every call, which a routed "
+        "graph would replay each step; make that change once before routing.\n("
         + "; ".join(effects[:4])
         + "). A routed graph would replay that on every training step; tread_fx lets such a "
         "change happen once, while tracing, and traces again, but here the second trace "
