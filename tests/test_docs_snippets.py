@@ -49,8 +49,11 @@ def test_python_block_runs_as_pasted(code: str, tmp_path: Path) -> None:
     if torchrun:
         command = [sys.executable, "-m", "torch.distributed.run", *shlex.split(torchrun[1])]
         command.append(str(script))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ""}
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    # from a folder of its own (whatever a block writes lands there), importing this checkout
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, f"{' '.join(command)} failed:\n{done.stdout}\n{done.stderr}"
 
 
@@ -139,7 +142,7 @@ def test_every_readme_command_works_after_command_1_as_written() -> None:
 
 
 @pytest.mark.parametrize("kind", ["explain-text", "diff-dot"])
-def test_the_readme_inspect_commands_run(kind: str) -> None:
+def test_the_readme_inspect_commands_run(kind: str, tmp_path: Path) -> None:
     commands = [c for c in _readme_commands() if c.startswith(".venv/bin/tread-fx")]
     if kind == "explain-text":
         commands = [c for c in commands if " explain " in c and "--format" not in c]
@@ -147,6 +150,7 @@ def test_the_readme_inspect_commands_run(kind: str) -> None:
         commands = [c for c in commands if " diff " in c and "--format dot" in c]
     words = shlex.split(commands[0])
     cli = [sys.executable, "-m", "tread_fx.cli", *words[1:]]
-    done = subprocess.run(cli, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(cli, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip()
