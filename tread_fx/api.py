@@ -22,6 +22,7 @@ from tread_fx.errors import (
     NotRoutedError,
     RoutedGraphError,
     TreadFxError,
+    with_article,
 )
 from tread_fx.module_state import (
     WRAPPER_ATTRIBUTES,
@@ -436,10 +437,10 @@ def routing_config(model: nn.Module) -> RoutingConfig | None:
 def _state(model: nn.Module, what: str) -> _RoutingState:
     inner = unwrap(model)
     if not is_routed(inner):
-        wrapped = "" if inner is model else f" (inside a {type(model).__name__})"
+        wrapped = "" if inner is model else f" (inside {with_article(type(model).__name__)})"
         raise NotRoutedError(
-            f"{what}() was called on a {type(inner).__name__}{wrapped} that is not routed; call "
-            "tread_fx.route(model, routes=...) first."
+            f"{what}() was called on {with_article(type(inner).__name__)}{wrapped} that is not "
+            "routed; call tread_fx.route(model) first."
         )
     return inner.__dict__[_STATE]
 

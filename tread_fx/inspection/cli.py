@@ -34,7 +34,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from tread_fx.errors import ExampleInputError, InvalidRouteError, ModelSpecError, TreadFxError
+from tread_fx.errors import (
+    ExampleInputError,
+    InvalidRouteError,
+    ModelSpecError,
+    TreadFxError,
+    with_article,
+)
 
 __all__ = ["load_model", "parse_route_specs", "parse_shape", "run"]
 
@@ -119,8 +125,8 @@ def load_model(spec: str, kwargs: dict[str, Any] | None = None) -> nn.Module:
         return factory
     if not callable(factory):
         raise ModelSpecError(
-            f"MODEL {spec!r} names a {type(factory).__name__}, not a factory; give a class or "
-            "function that returns an nn.Module."
+            f"MODEL {spec!r} names {with_article(type(factory).__name__)}, not a factory; give "
+            "a class or function that returns an nn.Module."
         )
     try:
         model = factory(**(kwargs or {}))
@@ -131,8 +137,8 @@ def load_model(spec: str, kwargs: dict[str, Any] | None = None) -> nn.Module:
         ) from None
     if not isinstance(model, nn.Module):
         raise ModelSpecError(
-            f"MODEL {spec!r} returned a {type(model).__name__}, not an nn.Module; point MODEL "
-            "at a factory of the model."
+            f"MODEL {spec!r} returned {with_article(type(model).__name__)}, not an nn.Module; "
+            "point MODEL at a factory of the model."
         )
     return model
 
