@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare_report import ARMS, write_report  # noqa: E402
 
-__all__ = ["run_pair", "curve_fids", "main"]
+__all__ = ["run_pair", "curve_fids", "check_arms", "main"]
 
 TRAIN = Path(__file__).with_name("train.py")
 FID_CURVE = Path(__file__).with_name("fid_curve.py")
@@ -119,6 +119,36 @@ def _claim(out: Path, overwrite: bool) -> None:
         )
 
 
+def check_arms(args: argparse.Namespace, train_args: list[str]) -> None:
+    """Checks the arms' ``train.py`` arguments as ``train.py`` does before it looks at its
+    ``--out`` (values, data, model, the TREAD arm's routes, batch size), so a bad argument is
+    reported before ``--out`` is claimed; the baseline arm differs only by ``--routes none``.
+
+    Raises:
+        SystemExit: status 2 with one line saying which argument is wrong.
+    """
+    import torch
+    import train  # torch and tread_fx: imported only when the arms will train
+
+    limit = ["--steps", str(args.baseline_steps)] if args.baseline_steps else []
+    argv = [*train_args, "--routes", args.tread_routes, "--seed", str(args.seeds[0]), *limit,
+            "--threads", "1", "--fid-samples", str(args.fid_samples)]  # fmt: skip
+    parser = train.make_parser()
+    parser.prog = "compare.py (the train.py arguments after --)"
+    arm = parser.parse_args(argv)  # an argparse error exits here, status 2
+    if not args.baseline_steps:
+        arm.time_budget = args.budget
+    cpu = torch.device("cpu")
+    try:
+        train.check_args(arm, world=1)
+        data, num_classes = train.load_data(arm, cpu, train.diffusion.make_objective(arm.objective))
+        train.build_routed_model(arm, tuple(data["train_x"].shape[1:]), num_classes, cpu)
+        train.make_shards(data["train_x"].shape[0], arm.batch_size, 0, 1, arm.seed)
+    except (train.UsageError, train.data_lib.DataError, train.TreadFxError) as err:
+        print(f"compare.py: error: train.py: {' '.join(str(err).splitlines())}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     split = argv.index("--") if "--" in argv else len(argv)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -145,7 +175,18 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         action="store_true",
         help="replace a previous comparison in --out (its runs' checkpoints, metrics, samples)",
     )
-    return parser.parse_args(argv[:split]), argv[split + 1 :]
+    args = parser.parse_args(argv[:split])
+    checks = [
+        (args.budget > 0, "--budget must be > 0"),
+        (args.baseline_steps is None or args.baseline_steps >= 1, "--baseline-steps must be >= 1"),
+        (min(args.fid_samples, args.curve_fid) >= 0, "--fid-samples/--curve-fid must be >= 0"),
+        (args.curve_sample_steps is None or args.curve_sample_steps >= 1,
+         "--curve-sample-steps must be >= 1"),
+    ]  # fmt: skip
+    for ok, message in checks:
+        if not ok:
+            parser.error(message)
+    return args, argv[split + 1 :]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         if curve[0]:  # evaluate checkpoints not evaluated yet, then report
             curve_fids(args.out, args.seeds, *curve)
     else:
+        check_arms(args, train_args)  # every argument first, then the folder
         _claim(args.out, args.overwrite)
         if args.overwrite:
             train_args = [*train_args, "--overwrite"]

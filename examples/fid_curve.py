@@ -96,13 +96,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sampler", choices=["euler", "heun"])
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
+    if min(args.samples, args.threads, 1 if args.sample_steps is None else args.sample_steps) < 1:
+        parser.error("--samples, --sample-steps and --threads must be >= 1")
     torch.set_num_threads(args.threads)
     overrides = {"sample_steps": args.sample_steps, "sampler": args.sampler,
                  "cfg_scale": args.cfg_scale}  # fmt: skip
-    for run_dir in args.runs:
+    for run_dir in args.runs:  # every folder before the first evaluation
         if not (run_dir / "checkpoints").is_dir():
             print(f"fid_curve.py: error: {run_dir} has no checkpoints/", file=sys.stderr)
             return 2
+    for run_dir in args.runs:
         try:
             evaluate_run(run_dir, args.samples, overrides)
         except ckpt.CheckpointError as err:

@@ -53,6 +53,7 @@ from train_args import (  # noqa: E402, F401 - re-exported: tests and users call
     build_model,
     check_args,
     make_parser,
+    make_shards,
     num_blocks,
     parse_routes,
 )
@@ -124,7 +125,6 @@ def setup_device(args: argparse.Namespace) -> tuple[int, int, bool, torch.device
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     check_args(args, world)
-    run_dir.claim_run_dir(args)  # every process, before the group starts (rank 0 writes later)
     if args.threads or (os.cpu_count() or 1) <= 2:
         # Two threads on two cores collapse (10x and worse) as soon as anything else runs.
         torch.set_num_threads(args.threads or 1)
@@ -211,13 +211,19 @@ def build_routed_model(
 
 
 def setup(args: argparse.Namespace) -> Run:
-    """Device, data, model (routed), EMA, optimizer and generators, in a fixed RNG order."""
+    """Device, data, model (routed), EMA, optimizer and generators, in a fixed RNG order.
+
+    Every argument (values, data, model, routes, batch size) is checked before ``--out`` is
+    looked at, so a bad argument is reported whatever the folder holds.
+    """
     world, rank, cuda, device = setup_device(args)
     say = (lambda msg: tqdm.write(msg)) if rank == 0 else (lambda msg: None)
     objective = diffusion.make_objective(args.objective)
     data, num_classes = load_data(args, device, objective)
     shape = tuple(data["train_x"].shape[1:])
     core, routes = build_routed_model(args, shape, num_classes, device)
+    shards = make_shards(data["train_x"].shape[0], args.batch_size, rank, world, args.seed)
+    run_dir.claim_run_dir(args)  # every process, before DDP syncs them (rank 0 writes later)
     ema = diffusion.make_ema(core)  # deep copy of the routed model, fp32, eval mode
     if args.compile and not routes:
         core.compile()
@@ -230,7 +236,7 @@ def setup(args: argparse.Namespace) -> Run:
     autocast = torch.autocast(device.type, torch.bfloat16, enabled=args.bf16)
     return Run(
         args, world, rank, cuda, device, Path(args.out), say, objective, data, shape,
-        num_classes, core, model, ema, routes, opt, gen, autocast,
+        num_classes, core, model, ema, routes, opt, gen, autocast, shards=shards,
     )  # fmt: skip
 
 
@@ -259,7 +265,7 @@ def resume(run: Run) -> None:
 
 
 def prepare_output(run: Run) -> None:
-    """Writes ``args.json``, opens the metrics logger and the data shards, prints the setup."""
+    """Writes ``args.json``, opens the metrics logger, prints the setup."""
     args = run.args
     if run.main_rank:
         if args.overwrite and (removed := run_dir.clear_run(run.out)):
@@ -267,17 +273,12 @@ def prepare_output(run: Run) -> None:
         run.out.mkdir(parents=True, exist_ok=True)
         (run.out / "args.json").write_text(json.dumps(vars(args), indent=1))
     run.logger = tu.Logger(run.out, run.main_rank)
-    train_x = run.data["train_x"]
-    try:
-        run.shards = tu.Shards(train_x.shape[0], args.batch_size, run.rank, run.world, args.seed)
-    except ValueError as err:
-        raise UsageError(str(err)) from None
     n_params = sum(p.numel() for p in run.core.parameters())
     routes = run.routes
     run.say(
         f"{args.model}: {num_blocks(run.core)} blocks, {n_params / 1e6:.2f}M params, routes "
         f"{routes or 'none'} rate {args.rate if routes else 0}; data {args.data} "
-        f"{tuple(train_x.shape)}; {tu.processes(run.world)} on {run.device}, "
+        f"{tuple(run.data['train_x'].shape)}; {tu.processes(run.world)} on {run.device}, "
         f"{torch.get_num_threads()} thread(s)"
     )
 

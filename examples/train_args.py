@@ -21,6 +21,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import data as data_lib  # noqa: E402
+import train_utils as tu  # noqa: E402
 
 __all__ = [
     "FAMILIES",
@@ -32,6 +33,7 @@ __all__ = [
     "add_shared_args",
     "make_parser",
     "check_args",
+    "make_shards",
 ]
 
 FAMILIES = {  # name -> (module, model dict, class name, small defaults for the example)
@@ -173,6 +175,18 @@ def check_args(args: argparse.Namespace, world: int) -> None:
     for ok, message in checks:
         if not ok:
             raise UsageError(message)
+
+
+def make_shards(n: int, batch: int, rank: int, world: int, seed: int) -> tu.Shards:
+    """The batches of ``n`` training images (:class:`train_utils.Shards`).
+
+    Raises:
+        UsageError: ``batch`` is larger than the data set.
+    """
+    try:
+        return tu.Shards(n, batch, rank, world, seed)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
 
 
 def _import_family(family: str):

@@ -44,7 +44,7 @@ import diffusion  # noqa: E402
 import run_dir  # noqa: E402
 import train_utils as tu  # noqa: E402
 from train import TrainingError, load_data, run_cli  # noqa: E402
-from train_args import Parser, UsageError, add_shared_args  # noqa: E402
+from train_args import Parser, UsageError, add_shared_args, make_shards  # noqa: E402
 
 __all__ = ["Run", "make_parser", "parse_routes", "setup", "train", "main"]
 
@@ -186,20 +186,22 @@ def setup(args: argparse.Namespace) -> Run:
 
     acc = make_accelerator(args)
     check_args(args, acc.num_processes)
-    run_dir.claim_run_dir(args)  # every process; prepare() syncs them before rank 0 writes
     fsdp = acc.distributed_type == DistributedType.FSDP
     if fsdp and not acc.is_fsdp2:
         raise UsageError("this script shards with FSDP2: set fsdp_version: 2 in the config")
     data, num_classes = load_data(args, acc.device, diffusion.RectifiedFlow(0, 1, 1))
     shape = tuple(data["train_x"].shape[1:])
     core, adapter, routes = build_model(args, shape, num_classes, acc.device)
+    n_train, micro = data["train_x"].shape[0], args.batch_size // args.grad_accum
+    shards = make_shards(n_train, micro, acc.process_index, acc.num_processes, args.seed)
+    run_dir.claim_run_dir(args)  # after every argument check; prepare() syncs the processes
     ema = diffusion.make_ema(core) if args.ema > 0 and not fsdp else None
     opt = torch.optim.AdamW(core.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     model, opt = acc.prepare(core, opt)
     adapter.model = model
     torch.manual_seed(args.seed + 1000 * (acc.process_index + 1))  # noise, dropout, selection
     return Run(args, acc, Path(args.out), data, shape, num_classes, acc.unwrap_model(model),
-               model, ema, adapter, routes, opt, fsdp)  # fmt: skip
+               model, ema, adapter, routes, opt, fsdp, shards=shards)  # fmt: skip
 
 
 def save(run: Run) -> Path:
@@ -345,7 +347,7 @@ def log_progress(run: Run, train_loss: float, since: tuple[int, float], last: bo
 
 
 def prepare_output(run: Run) -> None:
-    """Writes ``args.json``, opens the metrics logger and the batch shards, prints the setup."""
+    """Writes ``args.json``, opens the metrics logger, prints the setup."""
     args, acc = run.args, run.acc
     if acc.is_main_process:
         if args.overwrite and (removed := run_dir.clear_run(run.out)):
@@ -353,11 +355,6 @@ def prepare_output(run: Run) -> None:
         run.out.mkdir(parents=True, exist_ok=True)
         (run.out / "args.json").write_text(json.dumps(vars(args), indent=1))
     run.logger = tu.Logger(run.out, acc.is_main_process)
-    n_train, micro = run.data["train_x"].shape[0], args.batch_size // args.grad_accum
-    try:
-        run.shards = tu.Shards(n_train, micro, acc.process_index, acc.num_processes, args.seed)
-    except ValueError as err:
-        raise UsageError(str(err)) from None
     n_params = sum(p.numel() for p in run.core.parameters())
     kind = str(acc.distributed_type).split(".")[-1]
     run.say(

@@ -5,7 +5,8 @@ works after command 1 as written.
 A block runs in a fresh interpreter (``python -c``-style, from the repository root), so blocks
 that register adapters or start process groups cannot leak into other tests. A block whose first
 line is ``# docs-test: torchrun ARGS`` runs as ``python -m torch.distributed.run ARGS block.py``,
-the command the text around it shows.
+the command the text around it shows. A ``print(...)`` line ending in ``# prints: TEXT`` shows
+its output: the block must print TEXT (those lines appear in its output, in that order).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ GUIDE_NAMES = ("training", "options", "errors", "models", "inspect")
 GUIDES = [ROOT / "README.md", *(ROOT / "docs" / f"{name}.md" for name in GUIDE_NAMES)]
 BLOCK = re.compile(r"^```python\n(.*?)^```$", re.S | re.M)
 TORCHRUN = re.compile(r"^# docs-test: torchrun (.*)$", re.M)
+PRINTS = re.compile(r"^\s*print\(.*\)\s+# prints: (.*?)\s*$", re.M)
 
 
 def _blocks() -> list:
@@ -49,9 +51,26 @@ def test_python_block_runs_as_pasted(code: str, tmp_path: Path) -> None:
     if torchrun:
         command = [sys.executable, "-m", "torch.distributed.run", *shlex.split(torchrun[1])]
         command.append(str(script))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ""}
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    # from a folder of its own (whatever a block writes lands there), importing this checkout
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, f"{' '.join(command)} failed:\n{done.stdout}\n{done.stderr}"
+    output = iter(line.rstrip() for line in done.stdout.splitlines())
+    shown = PRINTS.findall(code)
+    assert all(line in output for line in shown), (
+        f"the block shows {shown}, printed:\n{done.stdout}"
+    )
+
+
+def test_the_readme_example_shows_that_it_routed() -> None:
+    """The README's first block (run above) prints what the route kept, from a real loss."""
+    text = (ROOT / "README.md").read_text().split("## What it does")[1]
+    code = BLOCK.search(text).group(1)
+    assert code in [p.values[0] for p in _blocks()]
+    assert "route_info(model)" in code and PRINTS.search(code)
+    assert "- noise" in code and ".square().mean()" in code  # a loss against a target, not 0
 
 
 def test_the_docs_have_python_blocks_and_a_torchrun_one() -> None:
@@ -139,7 +158,7 @@ def test_every_readme_command_works_after_command_1_as_written() -> None:
 
 
 @pytest.mark.parametrize("kind", ["explain-text", "diff-dot"])
-def test_the_readme_inspect_commands_run(kind: str) -> None:
+def test_the_readme_inspect_commands_run(kind: str, tmp_path: Path) -> None:
     commands = [c for c in _readme_commands() if c.startswith(".venv/bin/tread-fx")]
     if kind == "explain-text":
         commands = [c for c in commands if " explain " in c and "--format" not in c]
@@ -147,6 +166,7 @@ def test_the_readme_inspect_commands_run(kind: str) -> None:
         commands = [c for c in commands if " diff " in c and "--format dot" in c]
     words = shlex.split(commands[0])
     cli = [sys.executable, "-m", "tread_fx.cli", *words[1:]]
-    done = subprocess.run(cli, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(cli, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip()

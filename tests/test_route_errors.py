@@ -127,9 +127,13 @@ def test_ambiguous_stacks_ask_for_blocks():
 
 def test_wrapped_models_are_refused_with_the_unwrapping_hint():
     compiled = torch.compile(tiny_dit())
-    with pytest.raises(errors.WrappedModelError, match="_orig_mod"):
+    with pytest.raises(
+        errors.WrappedModelError, match="(?s)given an OptimizedModule wrapper.*_orig_mod"
+    ):
         _route([(1, 3)], model=compiled)
-    with pytest.raises(errors.WrappedModelError, match="model.module"):
+    with pytest.raises(
+        errors.WrappedModelError, match="(?s)given a DataParallel wrapper.*model.module"
+    ):
         _route([(1, 3)], model=torch.nn.DataParallel(tiny_dit()))
     with pytest.raises(errors.WrappedModelError, match="nn.Module"):
         tread_fx.route("model", routes=[(1, 3)])

@@ -103,21 +103,56 @@ def test_train_diffusers_refuses_a_previous_run(tmp_path):
     pytest.importorskip("diffusers")
     (tmp_path / "checkpoints").mkdir()
     script = ROOT / "examples" / "train_diffusers.py"
-    command = [sys.executable, str(script), "--config", "x.json", "--out", str(tmp_path)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    config = ROOT / "examples" / "configs" / "tiny_sd3.json"  # valid: the folder is what is wrong
+    command = [sys.executable, str(script), "--config", str(config), "--batch-size", "8",
+               "--val-size", "16", "--out", str(tmp_path)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 2, done.stderr
     assert "holds a previous run (checkpoints)" in done.stderr
 
 
+COMPARE = [sys.executable, str(ROOT / "examples" / "compare.py")]
+ARMS = ["--", "--depth", "2", "--width", "32", "--heads", "2", "--batch-size", "16"]
+
+
 def test_compare_refuses_a_previous_comparison(tmp_path):
     (tmp_path / "command.json").write_text('{"argv": []}')
-    command = [sys.executable, str(ROOT / "examples" / "compare.py"), "--out", str(tmp_path)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    command = [*COMPARE, "--out", str(tmp_path), *ARMS]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 1 and "holds a previous comparison" in done.stderr, done.stderr
     assert "--overwrite" in done.stderr and not (tmp_path / "seed0").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--tread-routes", "5:2", *ARMS], "train.py: --routes 5:2: 5:2 needs 0 <= start < end"),
+        (["--tread-routes", "0:9", *ARMS], "depth (2 blocks)"),
+        ([*ARMS, "--batch-size", "4096"], "fewer than --batch-size 4096"),
+        ([*ARMS, "--rate", "2"], "--rate must be in [0, 1)"),
+        ([*ARMS, "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+        (["--budget", "0", *ARMS], "--budget must be > 0"),
+    ],
+)
+def test_compare_checks_every_argument_before_the_folder(tmp_path, args, message):
+    (tmp_path / "command.json").write_text('{"argv": []}')
+    command = [*COMPARE, "--out", str(tmp_path), *args]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    err = done.stderr.strip()
+    assert done.returncode == 2 and message in err and "previous" not in err, err
+    assert [p.name for p in tmp_path.iterdir()] == ["command.json"]
 
 
 def test_the_setup_line_names_processes_without_accelerate_internals():
     tu = importlib.import_module("train_utils")
     assert tu.processes(1, "NO") == "1 process"  # was "1 process(es) (NO)"
     assert tu.processes(2, "MULTI_CPU") == "2 processes (MULTI_CPU)"
+
+
+def test_fid_curve_checks_its_arguments_before_any_folder(tmp_path, capsys):
+    fid_curve = importlib.import_module("fid_curve")
+    with pytest.raises(SystemExit) as exc:
+        fid_curve.main([str(tmp_path / "no_run"), "--samples", "0"])
+    assert exc.value.code == 2 and "--samples" in capsys.readouterr().err
+    assert fid_curve.main([str(tmp_path / "no_run")]) == 2
+    assert "no_run has no checkpoints/" in capsys.readouterr().err

@@ -123,5 +123,6 @@ def test_resume_errors(tmp_path, capsys):
     (run / "checkpoints" / "step_0000001" / "model.safetensors").write_bytes(b"junk")
     assert train.main(args) == 2
     assert "model.safetensors: corrupt or unreadable" in capsys.readouterr().err
-    assert train.main([*TINY, "--resume", str(tmp_path / "none")]) == 2
+    fresh = ["--out", str(tmp_path / "fresh")]
+    assert train.main([*TINY, *fresh, "--resume", str(tmp_path / "none")]) == 2
     assert "checkpoint not found" in capsys.readouterr().err

@@ -21,7 +21,7 @@ def test_compare_runs_both_arms_and_writes_the_report(tmp_path):
         "--batch-size", "16", "--steps", "100000", "--log-every", "5", "--eval-every", "5",
         "--num-samples", "10", "--sample-steps", "2", "--val-size", "32",
     ]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     report = (out / "report.md").read_text()
     assert "| baseline | 1 |" in report and "| tread | 1 |" in report
@@ -37,7 +37,7 @@ def test_compare_runs_both_arms_and_writes_the_report(tmp_path):
     assert "16 tokens (8 kept inside the route)" in report
     rebuilt = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "compare.py"), "--out", str(out), "--report-only"],
-        capture_output=True, text=True, timeout=120, cwd=ROOT,
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
     )  # fmt: skip
     assert rebuilt.returncode == 0 and "budget 3.0 s" in rebuilt.stdout
 
@@ -53,7 +53,7 @@ def test_convergence_mode_stops_tread_with_the_baseline_and_evaluates_checkpoint
         "--keep-checkpoints", "0", "--num-samples", "10", "--sample-steps", "2",
         "--val-size", "32",
     ]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     base, tread = (out / "seed0" / arm for arm in ("baseline", "tread"))
     base_steps = [json.loads(line)["step"] for line in (base / "fid_curve.jsonl").open()]
@@ -68,6 +68,6 @@ def test_convergence_mode_stops_tread_with_the_baseline_and_evaluates_checkpoint
     # a second evaluation skips what is done
     again = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "fid_curve.py"), str(base), "--samples", "40"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
     )  # fmt: skip
     assert again.returncode == 0 and len((base / "fid_curve.jsonl").read_text().splitlines()) == 2

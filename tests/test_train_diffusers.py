@@ -186,14 +186,17 @@ def test_accelerates_fsdp2_preparation_trains_saves_and_samples_on_two_cpu_proce
     ],
 )
 def test_bad_input_stops_with_one_line_and_exit_code_2(argv, message, tmp_path, capsys):
+    """Even with a previous run in --out: every argument is checked before the folder."""
     (tmp_path / "broken.json").write_text("{not json")
     config = json.loads((CONFIGS / "tiny_sd3.json").read_text())
     (tmp_path / "typo.json").write_text(json.dumps({**config, "num_layerz": 2}))
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
     argv = [a.format(cfg=CONFIGS / "tiny_sd3.json", tmp=tmp_path) for a in argv]
     assert td.main([*FAST, *argv, "--steps", "1", "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("train_diffusers.py: error:")
-    assert __import__("re").search(message, err), err
+    assert __import__("re").search(message, err) and "previous run" not in err, err
+    assert [p.name for p in (tmp_path / "run").iterdir()] == ["checkpoints"]
 
 
 def test_an_unsupported_forward_is_named_with_what_is_supported():

@@ -58,11 +58,43 @@ def test_subprocess_baseline_run(tmp_path):
     assert json.loads((ckpt / "meta.json").read_text())["args"]["routes"] == "none"
 
 
-def test_bad_argument_in_a_subprocess():
-    proc = _run("--routes", "5:2", *TINY, "--steps", "1")
+def _previous_run(out: Path) -> list[str]:
+    """What a finished run leaves in ``out`` (its markers, see examples/run_dir.py)."""
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "args.json").write_text("{}")
+    return sorted(p.name for p in out.iterdir())
+
+
+def test_bad_argument_in_a_subprocess(tmp_path):
+    """README command 1 ran before (a run in --out): the bad argument is still what is said."""
+    out = tmp_path / "train"
+    before = _previous_run(out)
+    proc = _run("--routes", "5:2", *TINY, "--steps", "1", "--out", str(out))
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0  # one line
     assert "--routes 5:2" in proc.stderr and "start < end" in proc.stderr
+    assert "previous run" not in proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == before
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--routes", "5:2"], "--routes 5:2: 5:2 needs 0 <= start < end <= depth (2 blocks)"),
+        (["--routes", "0:9"], "depth (2 blocks)"),
+        (["--data", "latents", "--data-dir", "/no/such/dir"], "/no/such/dir"),
+        (["--batch-size", "4096"], "fewer than --batch-size 4096"),
+        (["--width", "30"], "cannot build model"),
+        (["--rate", "1.5"], "--rate"),
+    ],
+)
+def test_every_argument_is_checked_before_the_run_folder(args, message, capsys, tmp_path):
+    before = _previous_run(tmp_path)
+    argv = [*TINY, "--routes", "none", "--steps", "1", "--out", str(tmp_path), *args]
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "previous run" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
 @pytest.mark.parametrize(

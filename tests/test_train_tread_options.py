@@ -17,7 +17,7 @@ TINY = [
 def _train(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
     command = [sys.executable, str(ROOT / "examples" / "train.py"), *TINY, *extra]
     command += ["--out", str(tmp_path / "run")]
-    return subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    return subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
 
 
 def test_masked_loss_blend_fp32_reentry_and_routing_probability_train(tmp_path):

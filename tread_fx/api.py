@@ -22,6 +22,7 @@ from tread_fx.errors import (
     NotRoutedError,
     RoutedGraphError,
     TreadFxError,
+    with_article,
 )
 from tread_fx.module_state import (
     WRAPPER_ATTRIBUTES,
@@ -48,6 +49,7 @@ __all__ = [
     "route_info",
     "is_routed",
     "routed_graphs",
+    "routing_config",
     "RouteInfo",
     "check_call",
     "split_example",
@@ -308,7 +310,7 @@ class RoutedForward:
 
 def route(
     model: nn.Module,
-    routes: Any,
+    routes: Any = None,
     rate: float = 0.5,
     *,
     selection: str = "auto",
@@ -337,6 +339,9 @@ def route(
         model: The unwrapped model (route first, then wrap in DDP/FSDP/torch.compile).
         routes: ``(start, end)``, ``(start, end, rate)``, :class:`Route`, the authors' dict
             (inclusive ``end_layer_idx``), or a list of those. Half-open, negatives allowed.
+            ``None`` (default): the paper's rule, start 2 and end ``depth - 4`` (DiT-XL/2:
+            ``(2, 24)``), scaled down below 12 blocks (:func:`tread_fx.routes.default_route`,
+            docs/options.md); ``route_info(model)[0].route`` shows the route chosen.
         rate: Fraction of tokens routed around (default 0.5, the paper's best).
         selection: ``"auto"`` (default: ``"random"``, or ``"rows"`` where a routed block
             reshapes its tokens to the patch grid), ``"random"`` (uniform tokens) or
@@ -374,6 +379,9 @@ def route(
         >>> model = tread_fx.models.DiT_S_2(input_size=8, in_channels=1, num_classes=10)
         >>> tread_fx.route(model, routes=[(2, 8)], rate=0.5) is model
         True
+        >>> other = tread_fx.route(tread_fx.models.DiT_S_2(input_size=8, depth=8))
+        >>> [(r.start, r.end) for r in routing_config(other).resolved]  # the default rule
+        [(1, 6)]
     """
     check_unwrapped(model)
     if is_routed(model):
@@ -425,13 +433,20 @@ def is_routed(model: nn.Module) -> bool:
     return _STATE in getattr(unwrap(model), "__dict__", {})
 
 
+def routing_config(model: nn.Module) -> RoutingConfig | None:
+    """The :class:`RoutingConfig` ``route()`` gave ``model`` (wrappers looked through), or
+    ``None`` when it is not routed; ``explain(model)`` describes it."""
+    inner = unwrap(model)
+    return inner.__dict__[_STATE].config if is_routed(inner) else None
+
+
 def _state(model: nn.Module, what: str) -> _RoutingState:
     inner = unwrap(model)
     if not is_routed(inner):
-        wrapped = "" if inner is model else f" (inside a {type(model).__name__})"
+        wrapped = "" if inner is model else f" (inside {with_article(type(model).__name__)})"
         raise NotRoutedError(
-            f"{what}() was called on a {type(inner).__name__}{wrapped} that is not routed; call "
-            "tread_fx.route(model, routes=...) first."
+            f"{what}() was called on {with_article(type(inner).__name__)}{wrapped} that is not "
+            "routed; call tread_fx.route(model) first."
         )
     return inner.__dict__[_STATE]
 

@@ -36,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
             "--routes",
             action="append",
             metavar="START:END[:RATE]",
-            help="route(s), comma-separated or repeated (default 2:-4)",
+            help="route(s), comma-separated or repeated (default: start 2, end depth-4, "
+            "scaled down below 12 blocks; docs/options.md)",
         )
         p.add_argument("--rate", type=float, default=0.5, help="fraction routed around (0.5)")
         p.add_argument("--selection", default="random", choices=("random", "rows"))

@@ -60,7 +60,8 @@ class RoutingConfig:
     """Everything ``route()`` was asked for, validated and resolved once.
 
     Attributes:
-        routes: The parsed routes (negative indices not yet resolved).
+        routes: The parsed routes (negative indices not yet resolved); ``None``: the default
+            route (:func:`tread_fx.routes.default_route`), chosen where the depth is known.
         rate: Default fraction of tokens routed around.
         selection, blocks, keep_prefix, grid, strict, reinsert, share_selection,
             fp32_reentry, stream, batch_dim: ``route()``'s arguments of these names
@@ -71,7 +72,7 @@ class RoutingConfig:
         resolved: ``routes`` resolved against ``depth`` (``None`` until the depth is known).
     """
 
-    routes: list[Route]
+    routes: list[Route] | None = None
     rate: float = 0.5
     selection: str = "auto"
     blocks: Any = None
@@ -106,7 +107,7 @@ class RoutingConfig:
         """
         rate = self.rate if rate is None else check_rate(rate)
         parsed = self.routes if routes is None else parse_routes(routes, rate)
-        if routes is None and rate != self.rate:
+        if routes is None and parsed is not None and rate != self.rate:
             parsed = [dataclasses.replace(r, rate=rate) for r in parsed]
         resolved = None if self.depth is None else resolve_routes(parsed, self.depth, rate)
         return dataclasses.replace(self, routes=parsed, rate=rate, resolved=resolved)
@@ -194,7 +195,8 @@ def resolve_config(
 
     Args:
         model: The model to route (not modified).
-        routes: Routes in any form :func:`tread_fx.routes.parse_routes` accepts.
+        routes: Routes in any form :func:`tread_fx.routes.parse_routes` accepts; ``None``
+            for the default route (:func:`tread_fx.routes.default_route`).
         rate: Fraction of tokens routed around.
         **options: The other options of ``route()`` (:data:`OPTIONS`), as documented there;
             unset ones take the defaults.

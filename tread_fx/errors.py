@@ -64,6 +64,30 @@ def shown(path: str) -> str:
     return path or "the model itself"
 
 
+_VOWEL_LETTER_NAMES = set("AEFHILMNORSX")  # "an FSDP", "an MLP", "an SD3": read letter by letter
+_SAID_WITH_Y_OR_W = ("uni", "use", "usu", "uti", "ure", "eu", "one", "once")
+
+
+def with_article(word: str) -> str:
+    """``word`` after "a" or "an", as it is read: a class name, an acronym or a number.
+
+    Example:
+        >>> [with_article(w) for w in ("OptimizedModule", "DataParallel", "FSDPModule", "DDP")]
+        ['an OptimizedModule', 'a DataParallel', 'an FSDPModule', 'a DDP']
+        >>> [with_article(w) for w in ("UNet2DModel", "UnitBlock", "Eva", "8-D", "11-D", "3-D")]
+        ['a UNet2DModel', 'a UnitBlock', 'an Eva', 'an 8-D', 'an 11-D', 'a 3-D']
+    """
+    digits = re.match(r"\d+", word)
+    if digits:
+        an = digits[0].startswith("8") or digits[0] in ("11", "18")
+    elif re.match(r"[A-Z]([A-Z0-9-]|$)", word):  # an acronym: its first letter's name
+        an = word[0] in _VOWEL_LETTER_NAMES
+    else:
+        low = word.lower()
+        an = low[:1] in tuple("aeiou") and not low.startswith(_SAID_WITH_Y_OR_W)
+    return f"{'an' if an else 'a'} {word}"
+
+
 def warn_at_caller(message: str, category: type[Warning] = UserWarning) -> None:
     """Warn at the first frame outside tread_fx and torch: the user's line that called them
     (a route is built at the model's first training call, frames below the user's code).

@@ -39,7 +39,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
-from tread_fx.errors import WrappedModelError
+from tread_fx.errors import WrappedModelError, with_article
 
 __all__ = [
     "unwrap",
@@ -93,12 +93,12 @@ def check_unwrapped(model: Any) -> None:
     name = type(model).__name__
     if name in _WRAPPERS:
         raise WrappedModelError(
-            f"route() was given a {name} wrapper; route the model first, then wrap it "
+            f"route() was given {with_article(name)} wrapper; route the model first, then wrap it "
             f"(route -> DDP/FSDP/torch.compile). To route this one, pass {_WRAPPERS[name][1]}."
         )
     sharded = _fully_sharded(model)
     if sharded is not None:
-        what = f"a {name} whose submodule {sharded!r} is" if sharded else f"a {name}"
+        what = with_article(name) + (f" whose submodule {sharded!r} is" if sharded else "")
         raise WrappedModelError(
             f"route() was given {what} already sharded by FSDP2's fully_shard; route first, "
             "then shard: tread_fx.route(model, ...), then fully_shard(block) for each block and "
@@ -107,9 +107,9 @@ def check_unwrapped(model: Any) -> None:
         )
     if getattr(model, "_compiled_call_impl", None) is not None:
         raise WrappedModelError(
-            f"route() was given a {name} on which model.compile() was already called; route "
-            "first, then compile: tread_fx.route(model, ...), then model.compile() (or "
-            "route(..., compile=True), which compiles the routed graph)."
+            f"route() was given {with_article(name)} on which model.compile() was already "
+            "called; route first, then compile: tread_fx.route(model, ...), then "
+            "model.compile() (or route(..., compile=True), which compiles the routed graph)."
         )
 
 

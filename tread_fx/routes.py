@@ -5,6 +5,8 @@ blocks ``start .. end-1`` see only the kept tokens; at the input of block ``end`
 the last block when ``end == depth``) the processed tokens are written back. Indices are
 half-open like ``range`` and may be negative, Python-style. The authors'/SimpleTuner dict
 form uses an *inclusive* end: ``{"start_layer_idx": 2, "end_layer_idx": 8}`` is ``(2, 9)``.
+No routes (``None``) means the paper's rule, :func:`default_route`, applied once the depth of
+the block stack is known.
 
 Example:
     >>> from tread_fx.routes import Route, parse_routes, resolve_routes
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 
 from tread_fx.errors import InvalidRateError, InvalidRouteError
 
-__all__ = ["Route", "parse_routes", "resolve_routes", "check_rate"]
+__all__ = ["Route", "default_route", "parse_routes", "resolve_routes", "check_rate"]
 
 _DICT_KEYS = {"selection_ratio", "start_layer_idx", "end_layer_idx"}
 
@@ -113,9 +115,52 @@ class _InclusiveEnd(Route):
             object.__setattr__(self, "rate", check_rate(self.rate, "selection_ratio"))
 
 
-def parse_routes(routes: object, rate: float) -> list[Route]:
-    """Normalise the user's ``routes=`` into :class:`Route` objects (not yet range-checked)."""
+def default_route(depth: int) -> Route:
+    """The route used when none is given: the paper's rule, scaled down for shallow stacks.
+
+    The paper routes from block 2 to block ``depth - 4`` (DiT-XL/2, 28 blocks: ``(2, 24)``;
+    DiT-B/2, 12 blocks: ``(2, 8)``), leaving the first two and the last four blocks to see
+    every token. Below 12 blocks that route would cover under half of the stack (or none of
+    it), so shallower stacks keep one block before the route and about a quarter after it:
+
+    - ``depth >= 12``: ``(2, depth - 4)``
+    - ``3 <= depth < 12``: ``(1, depth - max(1, depth // 4))``
+    - ``depth`` 1 or 2: ``(0, 1)`` (with one block, the route re-enters after it)
+
+    Args:
+        depth: Number of blocks in the routed stack.
+
+    Returns:
+        The route, without a rate of its own (``route(..., rate=)`` applies).
+
+    Raises:
+        InvalidRouteError: ``depth`` is not a positive int.
+
+    Example:
+        >>> [(r.start, r.end) for r in map(default_route, (28, 12, 8, 4, 2, 1))]
+        [(2, 24), (2, 8), (1, 6), (1, 3), (0, 1), (0, 1)]
+    """
+    if not _is_index(depth) or depth < 1:
+        raise InvalidRouteError(
+            f"the default route was asked for a stack of {depth!r} blocks; it needs at least "
+            "one block: pass routes=[(start, end)] or blocks= naming the block container."
+        )
+    if depth >= 12:
+        return Route(2, depth - 4)
+    if depth >= 3:
+        return Route(1, depth - max(1, depth // 4))
+    return Route(0, 1)
+
+
+def parse_routes(routes: object, rate: float) -> list[Route] | None:
+    """Normalise the user's ``routes=`` into :class:`Route` objects (not yet range-checked).
+
+    ``None`` stays ``None``: the default route (:func:`default_route`), chosen once the depth
+    is known.
+    """
     check_rate(rate)
+    if routes is None:
+        return None
     if isinstance(routes, (Route, Mapping)) or (
         isinstance(routes, tuple) and routes and _is_index(routes[0])
     ):
@@ -144,11 +189,17 @@ def _parse_one(item: object) -> Route:
     )
 
 
-def resolve_routes(routes: list[Route], depth: int, rate: float | None = None) -> list[Route]:
+def resolve_routes(
+    routes: list[Route] | None, depth: int, rate: float | None = None
+) -> list[Route]:
     """Resolve negative indices against ``depth``, fill in rates, check range and overlap.
+
+    ``routes=None`` is the default route for ``depth`` (:func:`default_route`).
 
     Returns routes with non-negative ``start < end <= depth``, sorted by ``start``.
     """
+    if routes is None:
+        routes = [default_route(depth)]
     resolved = []
     for route in routes:
         start = route.start + depth if route.start < 0 else route.start

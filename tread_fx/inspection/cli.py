@@ -4,12 +4,14 @@ Usage::
 
     tread-fx explain tread_fx.models:DiT_B_2 --routes 2:9 --rate 0.5
     tread-fx explain tread_fx.models:DiT_S_2 --kwargs '{"depth": 4}' --format html --out a.html
-    tread-fx diff my_pkg.nets:make_model --input-shape 1,4,32,32 --routes 2:-4 --format dot
+    tread-fx diff my_pkg.nets:make_model --input-shape 1,4,32,32 --format dot
 
 MODEL is ``package.module:factory`` (``factory`` may be a dotted attribute path); the factory is
-called with ``--model-kwargs`` (JSON). Example inputs come from ``--input-shape`` or from the
-model's attributes (see :mod:`tread_fx.inspection.inputs`). Exit status: 0 on success, 1 when
-the model cannot be explained (the message says why), 2 for bad command lines.
+called with ``--model-kwargs`` (JSON). Without ``--routes`` the default route is explained
+(:func:`tread_fx.routes.default_route`: start 2, end depth-4, scaled down below 12 blocks).
+Example inputs come from ``--input-shape`` or from the model's attributes (see
+:mod:`tread_fx.inspection.inputs`). Exit status: 0 on success, 1 when the model cannot be
+explained (the message says why), 2 for bad command lines.
 
 Example:
     >>> from tread_fx.inspection.cli import parse_route_specs
@@ -32,7 +34,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from tread_fx.errors import ExampleInputError, InvalidRouteError, ModelSpecError, TreadFxError
+from tread_fx.errors import (
+    ExampleInputError,
+    InvalidRouteError,
+    ModelSpecError,
+    TreadFxError,
+    with_article,
+)
 
 __all__ = ["load_model", "parse_route_specs", "parse_shape", "run"]
 
@@ -117,8 +125,8 @@ def load_model(spec: str, kwargs: dict[str, Any] | None = None) -> nn.Module:
         return factory
     if not callable(factory):
         raise ModelSpecError(
-            f"MODEL {spec!r} names a {type(factory).__name__}, not a factory; give a class or "
-            "function that returns an nn.Module."
+            f"MODEL {spec!r} names {with_article(type(factory).__name__)}, not a factory; give "
+            "a class or function that returns an nn.Module."
         )
     try:
         model = factory(**(kwargs or {}))
@@ -129,8 +137,8 @@ def load_model(spec: str, kwargs: dict[str, Any] | None = None) -> nn.Module:
         ) from None
     if not isinstance(model, nn.Module):
         raise ModelSpecError(
-            f"MODEL {spec!r} returned a {type(model).__name__}, not an nn.Module; point MODEL "
-            "at a factory of the model."
+            f"MODEL {spec!r} returned {with_article(type(model).__name__)}, not an nn.Module; "
+            "point MODEL at a factory of the model."
         )
     return model
 
@@ -182,7 +190,7 @@ def _run(args: argparse.Namespace) -> str:
     model = load_model(args.model, _json_kwargs(args.model_kwargs))
     shape = parse_shape(args.input_shape) if args.input_shape else None
     inputs = example_inputs(model, shape, batch=args.batch, seed=args.seed)
-    routes = parse_route_specs(args.routes or ["2:-4"])
+    routes = parse_route_specs(args.routes) if args.routes else None  # None: the default rule
     try:
         exp = explain(
             model,

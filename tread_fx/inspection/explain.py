@@ -27,7 +27,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from tread_fx.api import split_example
+from tread_fx.api import routing_config, split_example
 from tread_fx.config import RoutingConfig, options_of, resolve_config
 from tread_fx.errors import SideInputError
 from tread_fx.inspection.flops import block_nodes, fake_shapes, module_arg_index, profile_graph
@@ -232,10 +232,29 @@ def _choice(choice: Any) -> dict[str, Any] | None:
     return {**data, "candidates": list(choice.candidates), "option": f"stream={choice.option}"}
 
 
+def _config(model: nn.Module, routes: Any, rate: float | None, options: dict) -> RoutingConfig:
+    """What ``explain`` describes: a routed model's own routing where the call leaves
+    ``routes``, ``rate`` or an option unset (at its default), else what the call asks for."""
+    own = routing_config(model)
+    if own is not None:
+        routes = own.routes if routes is None else routes
+        rate = own.rate if rate is None else rate
+        defaults = {f.name: f.default for f in dataclasses.fields(RoutingConfig)}
+        options = {
+            name: getattr(own, name) if _unset(value, defaults[name]) else value
+            for name, value in options.items()
+        }
+    return resolve_config(model, routes, 0.5 if rate is None else rate, **options)
+
+
+def _unset(value: Any, default: Any) -> bool:
+    return value is default or (isinstance(default, str) and value == default)
+
+
 def explain(
     model: nn.Module,
-    routes: Any,
-    rate: float = 0.5,
+    routes: Any = None,
+    rate: float | None = None,
     example_inputs: Any = None,
     *,
     selection: str = "auto",
@@ -253,10 +272,15 @@ def explain(
 ) -> Explanation:
     """Explain what ``route(model, routes, rate, ...)`` would do; the model is not modified.
 
+    On a routed model it explains the routing the model has: ``routes``, ``rate`` and every
+    option left unset (at its default) are the ones ``route()`` was given.
+
     Args:
         model: The model (routed or not; its class ``forward`` is what gets traced).
-        routes: Routes as for :func:`tread_fx.route`.
-        rate: Fraction of tokens routed around.
+        routes: Routes as for :func:`tread_fx.route`; ``None`` (default): a routed model's
+            own, else the default route (:func:`tread_fx.routes.default_route`).
+        rate: Fraction of tokens routed around; ``None`` (default): a routed model's own,
+            else 0.5.
         example_inputs: ``args`` or ``(args, kwargs)`` of a training call; default: made by
             :func:`tread_fx.inspection.inputs.example_inputs` from the model's attributes.
         selection: ``"auto"`` (default), ``"random"`` or ``"rows"``, as for ``route()``.
@@ -281,8 +305,11 @@ def explain(
         >>> m = tread_fx.models.DiT_S_2(input_size=8, in_channels=1, num_classes=10, depth=4)
         >>> print(tread_fx.explain(m, [(1, 3)], flops=False).routes[0].kept_tokens)
         8
+        >>> r = tread_fx.explain(tread_fx.route(m, rate=0.25), flops=False).routes[0]
+        >>> (r.start, r.end, r.rate, r.kept_tokens)    # the routing m has: the default route
+        (1, 3, 0.25, 12)
     """
-    config = resolve_config(model, routes, rate, **options_of(locals()))
+    config = _config(model, routes, rate, options_of(locals()))
     if example_inputs is None:
         example_inputs = make_example_inputs(model)
     args, kwargs = split_example(example_inputs)

@@ -35,7 +35,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from tread_fx.adapters.values import NO_BATCH_DIM, TensorMeta
-from tread_fx.errors import SelectionError, TokenStreamError, shown
+from tread_fx.errors import SelectionError, TokenStreamError, shown, with_article
 from tread_fx.passes.locate.batch_dim import Layout, decide_layout
 from tread_fx.passes.locate.dataflow import (
     argument_name,
@@ -194,6 +194,7 @@ def _check_stream_rank(block: nn.Module, block_path: str, lists: list[str], shap
     shape = tuple(shape)
     if len(shape) == 3 or (len(shape) == 4 and channels_last(block, shape)):
         return
+    ndim = with_article(f"{len(shape)}-D")
     if len(shape) == 4:
         why = (
             "a feature map such as [B, C, H, W]: block's convolutions or norms read dim 1 "
@@ -209,12 +210,12 @@ def _check_stream_rank(block: nn.Module, block_path: str, lists: list[str], shap
             "as integer tensors)"
         )
     else:
-        why = f"a {len(shape)}-D value has no [batch, tokens, ...] layout tread_fx can route"
+        why = f"{ndim} value has no [batch, tokens, ...] layout tread_fx can route"
     raise TokenStreamError(
         f"no token sequence flows through {_lists_text(lists)}: its blocks take a "
         f"{_kind(shape)}, not [batch, tokens, dim]; route a token-based backbone.\n"
         f"The value entering block "
-        f"{block_path} is a {len(shape)}-D tensor of shape {list(shape)}, not a 3-D [batch, "
+        f"{block_path} is {ndim} tensor of shape {list(shape)}, not a 3-D [batch, "
         "tokens, dim] (or [tokens, batch, dim]) tensor nor a channels-last 4-D stream "
         f"([B, H, W, C] or [B, N, heads, d]); it is {why}. tread_fx routes token sequences "
         "only; if another list of the model's blocks takes them, pass blocks= naming it."

@@ -33,6 +33,7 @@ from torch import nn
 from tread_fx.errors import (
     BlockStackNotFoundError,
     TokenStreamError,
+    with_article,
 )
 from tread_fx.passes.locate.dataflow import (
     data_ancestors,
@@ -161,7 +162,7 @@ def resolve_block_lists(
             ) from None
         if not isinstance(container, _BLOCK_CONTAINERS) or len(container) == 0:
             raise BlockStackNotFoundError(
-                f"blocks={path!r} is a {type(container).__name__}, not a non-empty "
+                f"blocks={path!r} is {with_article(type(container).__name__)}, not a non-empty "
                 "ModuleList/Sequential/ModuleDict of blocks; name the container that holds "
                 "the blocks."
             )
