@@ -11,7 +11,7 @@ relies on:
   stream*), changing one sample's noisy input moves no other sample's routed output (else
   *mixes samples*), and ``explain()`` (text and JSON) works on the same call;
 - *refused*: ``route()`` or the first routed call raised a ``TreadFxError`` (the reason is
-  the message's first line);
+  the message's first line, where it states why and what to do);
 - *broken*: anything else: another exception, or one of the invariants above failed;
 - *not buildable*: the model or its unrouted forward fails before tread_fx is involved.
 
@@ -161,6 +161,12 @@ def _reason(err: BaseException) -> str:
     return f"{type(err).__name__}: {text}"[:400]
 
 
+def _refusal(err: BaseException) -> str:
+    """A refusal's reason: its first line, where tread_fx states the reason and what to do."""
+    first = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
+    return f"{type(err).__name__}: {first}"
+
+
 def _where(err: BaseException) -> str:
     frames = traceback.extract_tb(err.__traceback__)
     return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else ""
@@ -209,7 +215,7 @@ def _attempt(stage: str, fn: Callable[[], Any]) -> Any:
     try:
         return fn()
     except tread_fx.TreadFxError as err:
-        raise _Failed("refused", stage, _reason(err)) from err
+        raise _Failed("refused", stage, _refusal(err)) from err
     except Exception as err:  # noqa: BLE001 - any other exception is what "broken" means
         raise _Failed("broken", stage, f"{_reason(err)} (at {_where(err)})") from err
 

@@ -15,7 +15,7 @@ from torch import nn
 
 import tread_fx
 from tread_fx.api import routed_graphs
-from tread_fx.errors import TokenStreamError
+from tread_fx.errors import StreamChoiceWarning, TokenStreamError
 
 T, B, C = 16, 3, 32
 
@@ -187,12 +187,27 @@ def test_a_batch_as_large_as_the_token_count_is_told_by_the_blocks() -> None:
     assert "never dim 0" in built.info.batch_reason
 
 
-def test_blocks_that_mix_nothing_are_refused_naming_batch_dim() -> None:
+def test_blocks_that_mix_nothing_take_dim_0_with_a_warning_naming_batch_dim() -> None:
     x = torch.randn(4, 6, C)
     model = tread_fx.route(TokenwiseBlocks(), [(1, 3)], 0.5)
-    with pytest.raises(TokenStreamError, match="batch_dim=0 or batch_dim=1") as caught:
+    with pytest.warns(StreamChoiceWarning, match="batch_dim=0 to route") as caught:
         model.train()(x)
-    assert "no block of the stack mixes" in str(caught.value)
+    assert "samples stay apart either way" in str(caught[0].message)
+    assert tread_fx.route_info(model)[0].kept.shape == (4, 3)
+
+
+class BothDims(nn.Module):
+    """A block that mixes along dim 0 and dim 1 of its input: no reading keeps samples apart."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + h.mean(dim=(0, 1), keepdim=True)
+
+
+def test_blocks_that_mix_both_dims_are_refused_naming_batch_dim() -> None:
+    model = nn.Sequential(*(BothDims() for _ in range(4)))
+    with pytest.raises(TokenStreamError, match="batch_dim=0 or batch_dim=1") as caught:
+        tread_fx.route(model, [(1, 3)], example_inputs=(torch.randn(4, 6, C),))
+    assert "mixes all of them" in str(caught.value)
 
 
 def test_batch_dim_decides_where_the_blocks_do_not() -> None:

@@ -44,13 +44,12 @@ class TinyCNN(nn.Module):
         return self.head(self.blocks(self.stem(x)) * t[:, None, None, None])
 
 
-def test_a_cnn_stack_is_refused_at_trace_time_not_on_the_first_step() -> None:
-    x, t = torch.randn(2, 4, 8, 8), torch.rand(2)
-    with pytest.raises(TokenStreamError, match=r"(?s)no token sequence flows through blocks.*4-D"):
-        tread_fx.route(TinyCNN(), [(1, 3)], example_inputs=(x, t))
-    model = tread_fx.route(TinyCNN(), [(1, 3)])  # lazy: refused on the first training call
-    with pytest.raises(TokenStreamError, match="no token sequence flows through blocks"):
-        model.train()(x, t)
+def test_a_cnn_stack_is_refused_at_route_not_on_the_first_step() -> None:
+    model = TinyCNN()
+    with pytest.raises(TokenStreamError, match="no token sequence flows through TinyCNN") as err:
+        tread_fx.route(model, [(1, 3)])  # its blocks are convolutions: known without a call
+    assert "route a token-based backbone" in str(err.value).splitlines()[0]
+    assert not tread_fx.is_routed(model)
 
 
 def test_a_missing_forward_argument_is_the_models_own_type_error() -> None:

@@ -36,6 +36,7 @@ from tread_fx.errors import (
     TokenStreamError,
     warn_at_caller,
 )
+from tread_fx.passes.locate.batch_dim import UNTOLD, untold_warning
 from tread_fx.passes.locate.choice import choose_stream, thin_stack
 from tread_fx.passes.locate.dims import GRID_ROWS, is_token_major
 from tread_fx.passes.locate.layout import check_no_token_tables_inside, grid_in_block_arguments
@@ -363,6 +364,10 @@ def _build(model: nn.Module, args: tuple, kwargs: dict, config: RoutingConfig) -
         thin = None if explicit else thin_stack(traced, model, info, list_paths, prefix, batch_dim)
     if info.choice is not None and info.choice.guessed:
         warn_at_caller(info.choice.message(), StreamChoiceWarning)
+    if info.batch_reason == UNTOLD:
+        warn_at_caller(
+            untold_warning(info.blocks[0].path, info.stream_meta.shape), StreamChoiceWarning
+        )
     if thin is not None:
         warn_at_caller(thin, ThinRouteWarning)
     routes = config.routes_for(info.depth)

@@ -9,8 +9,11 @@ candidate batch dim replaced (in eval mode, without gradients, its random draws 
 is *mixed* when other slices along it change, in the block's output or in any of its
 submodules' outputs laid out like the stream (so a block whose residual branch is gated to zero
 at initialisation still shows its attention). The batch dim is the one candidate the blocks do
-not mix while they mix the others; where no block shows it, or they mix every candidate, the
-route is refused naming the candidates and ``batch_dim=``.
+not mix while they mix the others. Where a block mixes every candidate, or no block can be
+run to tell, the route is refused naming the candidates and ``batch_dim=``. Where the blocks
+run and mix no position along either dim (token-wise layers only), no reading can mix samples:
+the main input's dim 0 is taken and a ``StreamChoiceWarning`` names the choice and
+``batch_dim=``.
 
 Example:
     >>> import torch
@@ -34,8 +37,13 @@ from torch.utils import _pytree as pytree
 
 from tread_fx.errors import TokenStreamError
 from tread_fx.passes.trace.block import example_of
+from tread_fx.passes.trace.support import dynamo_wrappers_run_original
 
-__all__ = ["Layout", "decide_layout", "mixed_dims"]
+__all__ = ["Layout", "decide_layout", "mixed_dims", "UNTOLD", "untold_warning"]
+
+#: the reason of a layout no block tells: blocks that mix no position keep samples apart in
+#: either reading, so the main input's dim 0 is taken, with a warning (``untold_warning``)
+UNTOLD = "no block mixes positions along either dim; the main input's dim 0 was taken"
 
 
 @dataclass(frozen=True)
@@ -76,6 +84,7 @@ def decide_layout(
         return _asked(blocks[0], shape, layouts, batch_dim)
     if len(layouts) == 1:
         return layouts[0], "the only reading of the stream's shape and the model's inputs"
+    told = []
     for block in _one_per_class(gm, blocks):
         found = example_of(gm, block.node)
         if found is None:
@@ -83,6 +92,7 @@ def decide_layout(
         mixed = mixed_dims(gm.get_submodule(block.node.target), found[0], block.in_slot, layouts)
         if mixed is None:
             continue
+        told.append(block)
         free = [layout for layout in layouts if layout.batch_dim not in mixed]
         if len(free) == 1 and free[0].token_dim in mixed:
             dims = ", ".join(map(str, sorted(mixed)))
@@ -92,7 +102,19 @@ def decide_layout(
             )
         if not free:
             raise _refusal(blocks[0], shape, layouts, f"block {block.path} mixes all of them")
-    raise _refusal(blocks[0], shape, layouts, "no block of the stack mixes one and not another")
+    if told:  # every block computes each position on its own: samples stay apart either way
+        return layouts[0], UNTOLD
+    raise _refusal(blocks[0], shape, layouts, "no block of the stack could be run to tell")
+
+
+def untold_warning(block_path: str, shape: Sequence[int]) -> str:
+    """The warning for a batch dim no block tells (:data:`UNTOLD`)."""
+    return (
+        f"the stream {list(shape)} entering {block_path} may hold its batch on dim 0 or 1, and "
+        "no block mixes positions along either, so samples stay apart either way; the main "
+        "input's dim 0 was taken as the batch. Pass batch_dim=0 to route() to keep this "
+        "reading without this warning, or batch_dim=1 for the other."
+    )
 
 
 def _asked(block: Any, shape: Sequence[int], layouts: list[Layout], asked: int) -> tuple:
@@ -206,7 +228,12 @@ def _recorded(module: nn.Module, example: Any, slot: tuple, stream: torch.Tensor
     record = lambda _m, _i, out: seen.extend(pytree.tree_leaves(out))  # noqa: E731
     handles = [m.register_forward_hook(record) for m in module.modules()]
     try:
-        with _evaluating(module), torch.no_grad(), torch.random.fork_rng(devices=[]):
+        with (
+            _evaluating(module),
+            torch.no_grad(),
+            torch.random.fork_rng(devices=[]),
+            dynamo_wrappers_run_original(),
+        ):  # a compiled block runs its own code, uncompiled
             torch.manual_seed(0)
             module(*args, **kwargs)
     except Exception:  # noqa: BLE001 - a block that cannot run on its example tells nothing
