@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -10,7 +11,9 @@ import torch
 import tread_fx
 from benchmarks.coverage_checks import randomize_zero_init  # noqa: F401 - re-exported to tests
 
-torch.set_num_threads(2)
+# one thread per xdist worker (`-n 2` on 2 cores: 2 threads each oversubscribed the CPU and
+# took ~10% longer), two in a single process
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
 
 @pytest.fixture(autouse=True)
