@@ -115,6 +115,7 @@ class Verdict:
     flop_ratio: float | None = None
     seconds: float = 0.0
     expected: str = ""
+    detail: str = ""  # a refusal's lines below its first (the reason)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -123,9 +124,9 @@ class Verdict:
 class _Failed(Exception):
     """A check failed: ``verdict`` and ``stage`` say which."""
 
-    def __init__(self, verdict: str, stage: str, reason: str) -> None:
+    def __init__(self, verdict: str, stage: str, reason: str, detail: str = "") -> None:
         super().__init__(reason)
-        self.verdict, self.stage, self.reason = verdict, stage, reason
+        self.verdict, self.stage, self.reason, self.detail = verdict, stage, reason, detail
 
 
 def randomize_zero_init(model: nn.Module, scale: float = 0.02) -> None:
@@ -161,10 +162,11 @@ def _reason(err: BaseException) -> str:
     return f"{type(err).__name__}: {text}"[:400]
 
 
-def _refusal(err: BaseException) -> str:
-    """A refusal's reason: its first line, where tread_fx states the reason and what to do."""
-    first = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
-    return f"{type(err).__name__}: {first}"
+def _refusal(err: BaseException) -> tuple[str, str]:
+    """A refusal's reason (its first line, where tread_fx states the reason and what to do)
+    and its detail (the other lines, on one line)."""
+    first, *rest = [line.strip() for line in str(err).strip().splitlines() if line.strip()] or [""]
+    return f"{type(err).__name__}: {first}", " ".join(rest)[:600]
 
 
 def _where(err: BaseException) -> str:
@@ -215,7 +217,7 @@ def _attempt(stage: str, fn: Callable[[], Any]) -> Any:
     try:
         return fn()
     except tread_fx.TreadFxError as err:
-        raise _Failed("refused", stage, _refusal(err)) from err
+        raise _Failed("refused", stage, *_refusal(err)) from err
     except Exception as err:  # noqa: BLE001 - any other exception is what "broken" means
         raise _Failed("broken", stage, f"{_reason(err)} (at {_where(err)})") from err
 
@@ -374,6 +376,7 @@ def judge(case: Case, route_fn: Callable = tread_fx.route) -> Verdict:
             _judge_built(case, model, route_fn, verdict)
     except _Failed as failed:
         verdict.verdict, verdict.stage, verdict.reason = failed.verdict, failed.stage, failed.reason
+        verdict.detail = failed.detail
     verdict.seconds = round(time.perf_counter() - started, 2)
     return verdict
 

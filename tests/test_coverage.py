@@ -165,8 +165,9 @@ def test_timm_per_architecture_sweep_does_not_regress():
     assert totals(section["rows"])["broken"] <= totals(committed)["broken"]
 
 
-def test_a_refusal_reason_keeps_the_details_below_its_short_first_line():
-    """Refusals break their first line at 150 characters; the verdict's reason keeps both."""
+def test_a_refusal_reason_is_its_first_line_and_the_details_are_kept():
+    """A refusal states its reason on its first line (at most 150 characters): the verdict's
+    reason is that line, and its detail keeps the rest."""
 
     class Unroutable(torch.nn.Module):  # one token: nothing can be routed around
         def __init__(self) -> None:
@@ -180,4 +181,6 @@ def test_a_refusal_reason_keeps_the_details_below_its_short_first_line():
 
     verdict = judge(Case("one-token", "test", Unroutable, lambda: ((torch.randn(2, 1, 8),), {})))
     assert verdict.verdict == "refused", verdict
-    assert "\n" not in verdict.reason and len(verdict.reason.split(": ", 1)[1]) > 150, verdict
+    first = verdict.reason.split(": ", 1)[1]
+    assert "\n" not in verdict.reason and 0 < len(first) <= 150, verdict
+    assert "routing would save nothing" in first and verdict.detail, verdict

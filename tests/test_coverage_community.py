@@ -52,7 +52,7 @@ def test_the_population_spans_enough_sources():
         ("x-transformers", "ContinuousTransformerWrapper(Encoder, rotary)", "routes", ""),
         ("vit-pytorch", "SimpleViT (4 registers)", "routes", ""),
         ("denoising-diffusion-pytorch", "Unet", "refused", "no token sequence flows through"),
-        ("perceiver-pytorch", "Perceiver", "refused", "not computed from the input's tokens"),
+        ("perceiver-pytorch", "Perceiver", "refused", "carry no token of the model's input"),
     ],
 )
 def test_representative_cases_keep_their_verdict(source, name, verdict, reason):

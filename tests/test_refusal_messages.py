@@ -127,6 +127,13 @@ class FeatureMapBlocks(nn.Module):
         return x
 
 
+class BothDims(nn.Module):
+    """Mixes its input along dims 0 and 1: no reading keeps the samples apart."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + h.mean(dim=(0, 1), keepdim=True)
+
+
 def _refusals() -> list:
     """Refusals a user can trigger cheaply, each as a zero-argument callable."""
     x, t, y = dit_inputs()
@@ -158,7 +165,7 @@ def _refusals() -> list:
         ),
         pytest.param(
             lambda: tread_fx.route(
-                nn.Sequential(*(nn.Linear(8, 8) for _ in range(4))),
+                nn.Sequential(*(BothDims() for _ in range(4))),
                 [(1, 3)],
                 example_inputs=(torch.randn(4, 6, 8),),
             ),

@@ -162,7 +162,7 @@ def test_a_token_value_leaving_a_route_without_counterpart_is_refused():
     # route (1, 3): block 3's aux is computed inside the route; block 1 had none to scatter into
     model = tread_fx.route(WithAux(), routes=[(1, 3)], seed=0).train()
     with pytest.raises(
-        tread_fx.SideInputError, match=r"(?s)'model_aux_1'.*route \(1, 3\).*counterpart"
+        tread_fx.SideInputError, match=r"(?s)route \(1, 3\) splits value 'model_aux_1'.*counterpart"
     ):
         model(torch.randn(2, 16, 8))
     # from block 2 on, the aux at the route start is its counterpart

@@ -205,7 +205,7 @@ def test_an_unsupported_forward_is_named_with_what_is_supported():
     model = diffusers.DiTTransformer2DModel(num_attention_heads=2, attention_head_dim=8,
                                             in_channels=1, num_layers=2, sample_size=8,
                                             patch_size=2)  # fmt: skip
-    with pytest.raises(da.ModelError, match=r"DiTTransformer2DModel.*supported: packed"):
+    with pytest.raises(da.ModelError, match=r"(?s)DiTTransformer2DModel.*supported: packed"):
         da.pick_family(model)
 
 

@@ -101,14 +101,14 @@ def check_unwrapped(model: Any) -> None:
         what = with_article(name) + (f" whose submodule {sharded!r} is" if sharded else "")
         raise WrappedModelError(
             f"route() was given {what} already sharded by FSDP2's fully_shard; route first, "
-            "then shard: tread_fx.route(model, ...), then fully_shard(block) for each block and "
-            "fully_shard(model), then torch.compile. "
+            "then shard.\nThat is: tread_fx.route(model, ...), then fully_shard(block) for "
+            "each block and fully_shard(model), then torch.compile. "
             "Build the model again (or load its unsharded state_dict) and route that."
         )
     if getattr(model, "_compiled_call_impl", None) is not None:
         raise WrappedModelError(
             f"route() was given {with_article(name)} on which model.compile() was already "
-            "called; route first, then compile: tread_fx.route(model, ...), then "
+            "called; route first, then compile.\nThat is: tread_fx.route(model, ...), then "
             "model.compile() (or route(..., compile=True), which compiles the routed graph)."
         )
 

@@ -36,8 +36,8 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from tread_fx.errors import TokenStreamError
-from tread_fx.passes.trace.block import example_of
-from tread_fx.passes.trace.support import dynamo_wrappers_run_original
+from tread_fx.passes.trace.block import EXAMPLE_KEY, example_of
+from tread_fx.passes.trace.support import dynamo_wrappers_run_original, has_call_hooks
 
 __all__ = ["Layout", "decide_layout", "mixed_dims", "UNTOLD", "untold_warning"]
 
@@ -86,10 +86,10 @@ def decide_layout(
         return layouts[0], "the only reading of the stream's shape and the model's inputs"
     told = []
     for block in _one_per_class(gm, blocks):
-        found = example_of(gm, block.node)
-        if found is None:
+        example = _example(gm, block.node)
+        if example is None:
             continue
-        mixed = mixed_dims(gm.get_submodule(block.node.target), found[0], block.in_slot, layouts)
+        mixed = mixed_dims(gm.get_submodule(block.node.target), example, block.in_slot, layouts)
         if mixed is None:
             continue
         told.append(block)
@@ -145,6 +145,15 @@ def _refusal(block: Any, shape: Sequence[int], layouts: list[Layout], why: str) 
     )
 
 
+def _example(gm: fx.GraphModule, node: fx.Node) -> Any:
+    """The real ``(args, kwargs)`` of the block call ``node``: its own, kept by the trace for
+    the first call of its class, else those of a call of its class it matches."""
+    if EXAMPLE_KEY in node.meta:
+        return node.meta[EXAMPLE_KEY]
+    found = example_of(gm, node)
+    return None if found is None else found[0]
+
+
 def _one_per_class(gm: fx.GraphModule, blocks: Sequence[Any]) -> Iterator[Any]:
     """The first call of each block class in the stack, in order."""
     seen: set[type] = set()
@@ -171,20 +180,42 @@ def mixed_dims(
     stream = _at(example, slot)
     if not isinstance(stream, torch.Tensor) or not stream.is_floating_point():
         return None
-    base = _recorded(module, example, slot, stream)
-    if base is None:
+    probed = [
+        (lay.batch_dim, lay.folded) for lay in layouts if stream.shape[lay.batch_dim] > lay.folded
+    ]
+    streams = [_copy(stream), *(_replaced(stream, dim, width) for dim, width in probed)]
+    runs = _runs(module, example, slot, streams)
+    if runs is None or any(run is None or len(run) != len(runs[0]) for run in runs):
         return None
-    mixed = set()
-    for layout in layouts:
-        dim, width = layout.batch_dim, layout.folded
-        if stream.shape[dim] <= width:
-            continue  # a single slice: nothing else to mix with
-        changed = _recorded(module, example, slot, _replaced(stream, dim, width))
-        if changed is None or len(changed) != len(base):
-            return None
-        if any(_moved(a, b, stream.shape, dim, width) for a, b in zip(base, changed)):
-            mixed.add(dim)
-    return mixed
+    base, changed = runs[0], runs[1:]
+    return {
+        dim
+        for (dim, width), run in zip(probed, changed)
+        if any(_moved(a, b, stream.shape, dim, width) for a, b in zip(base, run))
+    }
+
+
+def _runs(module: nn.Module, example: Any, slot: tuple, streams: list) -> list | None:
+    """:func:`_recorded` for each of ``streams``; for a block with call hooks (FSDP2's
+    ``fully_shard`` gathers its parameters in one), from inside one real call of it, after
+    its hooks ran, so the hooks leave it as they found it. ``None`` when that call fails."""
+    if not any(has_call_hooks(m) for m in module.modules()):
+        return [_recorded(module, example, slot, s) for s in streams]
+    found: list = []
+
+    def probe_here(hooked: nn.Module, args: tuple, kwargs: dict) -> None:
+        inner = type(hooked).forward.__get__(hooked)
+        found.extend(_recorded(hooked, (args, kwargs), slot, s, inner) for s in streams)
+
+    handle = module.register_forward_pre_hook(probe_here, with_kwargs=True)
+    try:
+        with torch.no_grad(), dynamo_wrappers_run_original():
+            module(*example[0], **example[1])
+    except Exception:  # noqa: BLE001 - a block whose own call fails here tells nothing
+        return None
+    finally:
+        handle.remove()
+    return found or None
 
 
 def _at(example: Any, slot: tuple) -> Any:
@@ -204,7 +235,7 @@ def _replaced(stream: torch.Tensor, dim: int, width: int) -> torch.Tensor:
     gen = torch.Generator(device=stream.device).manual_seed(0)
     noise = torch.randn(first.shape, generator=gen, device=stream.device, dtype=stream.dtype)
     first.copy_(noise * (stream.detach().float().std().nan_to_num(1.0) + 1.0) + 1.0)
-    return out
+    return out.requires_grad_(stream.requires_grad)  # a block may read the flag
 
 
 def _moved(a: Any, b: Any, shape: Sequence[int], dim: int, width: int) -> bool:
@@ -220,9 +251,12 @@ def _moved(a: Any, b: Any, shape: Sequence[int], dim: int, width: int) -> bool:
     return bool((rest_a - rest_b).abs().max() > 1e-6 * (scale + 1e-30))
 
 
-def _recorded(module: nn.Module, example: Any, slot: tuple, stream: torch.Tensor) -> list | None:
+def _recorded(
+    module: nn.Module, example: Any, slot: tuple, stream: torch.Tensor, call: Any = None
+) -> list | None:
     """The tensors ``module`` and its submodules return on ``example`` with ``stream`` at
-    ``slot``, in call order; ``None`` when the call fails."""
+    ``slot``, in call order (``call``: how to call it, default ``module`` itself); ``None``
+    when the call fails."""
     args, kwargs = _with(example, slot, stream)
     seen: list = []
     record = lambda _m, _i, out: seen.extend(pytree.tree_leaves(out))  # noqa: E731
@@ -235,7 +269,9 @@ def _recorded(module: nn.Module, example: Any, slot: tuple, stream: torch.Tensor
             dynamo_wrappers_run_original(),
         ):  # a compiled block runs its own code, uncompiled
             torch.manual_seed(0)
-            module(*args, **kwargs)
+            out = (call or module)(*args, **kwargs)
+            if call is not None:  # the block's own hook does not see a call of its forward
+                seen.extend(pytree.tree_leaves(out))
     except Exception:  # noqa: BLE001 - a block that cannot run on its example tells nothing
         return None
     finally:
@@ -247,14 +283,19 @@ def _recorded(module: nn.Module, example: Any, slot: tuple, stream: torch.Tensor
 def _with(example: Any, slot: tuple, stream: torch.Tensor) -> tuple[tuple, dict]:
     """A copy of ``example`` (tensors cloned: a block may write into them) with ``stream``
     at ``slot``."""
-    args, kwargs = pytree.tree_map(
-        lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v, example
-    )
+    args, kwargs = pytree.tree_map(_copy, example)
     args, kwargs = list(args), dict(kwargs)
     kind, key, *inner = slot
     holder, name = (args, key) if kind == "arg" else (kwargs, key)
     holder[name] = _put(holder[name], inner, stream)
     return tuple(args), kwargs
+
+
+def _copy(value: Any) -> Any:
+    """A tensor's copy with its ``requires_grad`` flag (a block may read it); others as is."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    return value.detach().clone().requires_grad_(value.requires_grad and value.is_floating_point())
 
 
 def _put(value: Any, path: list, stream: torch.Tensor) -> Any:

@@ -155,11 +155,12 @@ def _check_token_count(meta: TensorMeta, layout: Layout) -> None:
     tokens, folded = meta.shape[layout.token_dim], layout.folded
     if tokens < 2:
         raise TokenStreamError(
-            f"the token stream has shape {tuple(meta.shape)}: sequences of "
-            f"{tokens} token (dim {layout.token_dim}"
+            f"the blocks see sequences of {tokens} token, so routing would save nothing; route "
+            "a stack whose blocks see longer sequences (pass blocks=), or drop the route.\n"
+            f"The token stream has shape {tuple(meta.shape)}: {tokens} token on dim "
+            f"{layout.token_dim}"
             + (f"; dim 0 folds {folded} sequences per sample into the batch" if folded > 1 else "")
-            + "), so routing would save nothing. Route a stack whose blocks see longer "
-            "sequences (pass blocks=), or drop the route."
+            + "."
         )
 
 

@@ -84,7 +84,7 @@ def choose_stack(
     if len(top) > 1:
         raise AmbiguousBlockStackError(
             f"{type(model).__name__} has {len(top)} block stacks of {best} blocks and data "
-            f"flow does not pick one; pass blocks= to choose ({_choices(top)}).\n"
+            f"flow does not pick one; pass {_choices(top)} to route() to choose one.\n"
             f"The stacks: {[' + '.join(c) for c in top]} "
             f"({'; '.join(_describe(c, calls) for c in top)}){_interleaving(top, calls)}."
         )
