@@ -67,6 +67,7 @@ ROUTES = [({start}, {end})]
 RATE = {rate}
 ROUTABLE = {routable}
 REASON = {reason!r}
+BATCH_DIM = {batch_dim}  # the dim of the input and the output holding the samples
 FEATURES = {features_list!r}
 '''
 
@@ -347,7 +348,7 @@ def module_source(d: Draw) -> str:
     features = d.features()
     header = _HEADER.format(
         seed=d.seed, features=", ".join(features), start=d.start, end=d.end, rate=d.rate,
-        routable=d.routable, reason=_reason(d), features_list=features,
+        routable=d.routable, reason=_reason(d), features_list=features, batch_dim=0,
     )  # fmt: skip
     if d.video:
         return header + video_module(d)
