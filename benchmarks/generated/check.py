@@ -186,8 +186,20 @@ def _run_twin(module, twin_model, args, kwargs, kept, weight) -> torch.Tensor:
     return expected
 
 
+def _detach_records(model: torch.nn.Module) -> None:
+    """Detach the tensors a training forward left on the modules' own attributes (a hook
+    recording a block's output): a module holding one cannot be deep-copied, and the
+    samples check copies both models."""
+    for sub in model.modules():
+        for key, value in list(vars(sub).items()):
+            if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+                setattr(sub, key, value.detach())
+
+
 def _samples_apart(module, pristine, model, args, kwargs) -> str:
     """Why the routed training forward mixes samples ('' when it keeps them apart)."""
+    _detach_records(pristine)
+    _detach_records(model)
     why, note = samples_mixed(pristine, model, (args, kwargs), 0, module.BATCH_DIM)
     if note:  # the generated model's own forward mixes them: BATCH_DIM or the model is wrong
         raise _GeneratorError(f"{note} (BATCH_DIM = {module.BATCH_DIM})")
