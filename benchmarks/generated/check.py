@@ -5,15 +5,20 @@ imported (``importlib.util.spec_from_file_location``), builds the model, gives z
 weights small random values, and records the eval output. Then ``tread_fx.route(model,
 routes=ROUTES, rate=RATE, seed=0)`` and one routed training forward; the twin runs on a copy of
 the unrouted model with the kept ids ``route_info`` reports, and the two must agree on the
-output and on every parameter's gradient of a scalar loss; eval after routing must be bitwise
-the reference. The outcome is one of:
+output and on every parameter's gradient of a scalar loss. Then the samples must stay apart:
+with the selection fixed, changing the first sample of the noisy input (the first argument,
+its samples along the module's ``BATCH_DIM``) may change no other sample's routed output
+(:func:`benchmarks.coverage_provenance.samples_mixed`, the unrouted twin copy as the pristine
+model). Eval after routing must be bitwise the reference. The outcome is one of:
 
 - ``routed``: the routed model equals the twin (a must-refuse model never gets here);
 - ``refused``: a ``TreadFxError`` from ``route()`` or the routed call;
 - ``wrong``: a mismatch, a by-construction fact of the twin violated (a company token
-  routed, a wrong kept count), eval changed, or a must-refuse model routed without error;
+  routed, a wrong kept count), a route that mixes samples (said first when the twin differs
+  too), eval changed, or a must-refuse model routed without error;
 - ``foreign``: any other exception from ``route()``, the routed call or ``route_info``;
-- ``generator error``: the generated module failed on its own (a bug of the generator).
+- ``generator error``: the generated module failed on its own (a bug of the generator; its
+  unrouted training forward mixing the samples along ``BATCH_DIM`` is one).
 
 Example:
     >>> result = check(0)
@@ -37,7 +42,8 @@ import torch
 
 import tread_fx
 from benchmarks.coverage_checks import randomize_zero_init
-from benchmarks.generated.grammar import draw
+from benchmarks.coverage_provenance import samples_mixed
+from benchmarks.generated.grammar import BATCH, draw
 from benchmarks.generated.source import module_source, protected_ids
 
 __all__ = ["OUTCOMES", "Result", "check", "check_quietly", "load_module", "perturbed"]
@@ -157,12 +163,12 @@ def _setup(module: types.ModuleType):
 def _self_test(module, twin_model, args, kwargs, reference: torch.Tensor) -> None:
     """The twin keeping every token is the unrouted forward (the generator's own check)."""
     d = draw(module.SEED)
-    rows, count = (reference.shape[0], d.stream_tokens)
+    rows, count = (BATCH, d.stream_tokens)  # samples by construction, wherever their dim
     if d.video:  # the routed stream folds frames ([B * F, h * w, D]) or positions
         frames, positions = d.grid[0], d.grid[1] * d.grid[2]
         if d.video.stack == "temporal":  # [B * h * w, F, D]
             frames, positions = positions, frames
-        rows, count = reference.shape[0] * frames, positions
+        rows, count = BATCH * frames, positions
     every = torch.arange(count).expand(rows, -1)
     with torch.no_grad():
         full = module.twin(twin_model, args, kwargs, every, checks=False)
@@ -180,9 +186,29 @@ def _run_twin(module, twin_model, args, kwargs, kept, weight) -> torch.Tensor:
     return expected
 
 
-def _differential(module, seed: int, perturb_kept: bool) -> None:
+def _detach_records(model: torch.nn.Module) -> None:
+    """Detach the tensors a training forward left on the modules' own attributes (a hook
+    recording a block's output): a module holding one cannot be deep-copied, and the
+    samples check copies both models."""
+    for sub in model.modules():
+        for key, value in list(vars(sub).items()):
+            if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+                setattr(sub, key, value.detach())
+
+
+def _samples_apart(module, pristine, model, args, kwargs) -> str:
+    """Why the routed training forward mixes samples ('' when it keeps them apart)."""
+    _detach_records(pristine)
+    _detach_records(model)
+    why, note = samples_mixed(pristine, model, (args, kwargs), 0, module.BATCH_DIM)
+    if note:  # the generated model's own forward mixes them: BATCH_DIM or the model is wrong
+        raise _GeneratorError(f"{note} (BATCH_DIM = {module.BATCH_DIM})")
+    return why
+
+
+def _differential(module, seed: int, perturb_kept: bool, route_options: dict) -> None:
     model, args, kwargs, reference, twin_model = _setup(module)
-    tread_fx.route(model, routes=module.ROUTES, rate=module.RATE, seed=0)
+    tread_fx.route(model, routes=module.ROUTES, rate=module.RATE, seed=0, **route_options)
     routed = model.train()(*args, **kwargs)
     infos = tread_fx.route_info(model)
     if not module.ROUTABLE:
@@ -192,17 +218,26 @@ def _differential(module, seed: int, perturb_kept: bool) -> None:
         kept = perturbed(kept, protected_ids(draw(seed)), infos[0].num_tokens)
     weight = torch.randn(routed.shape, generator=torch.Generator().manual_seed(seed))
     (routed * weight).sum().backward()
-    expected = _run_twin(module, twin_model, args, kwargs, kept, weight)
-    _compare(routed.detach(), expected.detach(), model, twin_model)
+    try:
+        expected = _run_twin(module, twin_model, args, kwargs, kept, weight)
+        _compare(routed.detach(), expected.detach(), model, twin_model)
+        differs = None
+    except _Wrong as err:
+        differs = err
+    mixed = _samples_apart(module, twin_model, model, args, kwargs)
+    if mixed:
+        raise _Wrong(mixed + (f"; and the {differs}" if differs else ""))
+    if differs is not None:
+        raise differs
     with torch.no_grad():
         after = model.eval()(*args, **kwargs)
     if not torch.equal(after, reference):
         raise _Wrong("eval output after routing is not bitwise the unrouted model's")
 
 
-def _outcome(module, seed: int, perturb_kept: bool) -> tuple[str, str]:
+def _outcome(module, seed: int, perturb_kept: bool, route_options: dict) -> tuple[str, str]:
     try:
-        _differential(module, seed, perturb_kept)
+        _differential(module, seed, perturb_kept, route_options)
     except _Wrong as err:
         return "wrong", str(err)
     except _GeneratorError as err:
@@ -215,13 +250,21 @@ def _outcome(module, seed: int, perturb_kept: bool) -> tuple[str, str]:
     return "routed", ""
 
 
-def check(seed: int, *, perturb_kept: bool = False, keep: Path | None = None) -> Result:
+def check(
+    seed: int,
+    *,
+    perturb_kept: bool = False,
+    keep: Path | None = None,
+    route_options: dict | None = None,
+) -> Result:
     """Check one seed (see the module docstring); ``keep`` keeps the written source there.
 
     Args:
         seed: The generator seed.
         perturb_kept: Feed the twin a perturbed kept set (the check must then say ``wrong``).
         keep: Directory for the module's source (default: a temporary one, removed).
+        route_options: More keyword arguments for ``route()`` (the tests force a route
+            across samples with ``batch_dim=``; the check must then say ``wrong``).
 
     Example:
         >>> check(1).seed
@@ -238,7 +281,7 @@ def check(seed: int, *, perturb_kept: bool = False, keep: Path | None = None) ->
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                outcome, message = _outcome(module, seed, perturb_kept)
+                outcome, message = _outcome(module, seed, perturb_kept, route_options or {})
         finally:
             sys.modules.pop(module.__name__, None)
     seen = [f"{w.category.__name__}: {str(w.message).splitlines()[0][:200]}" for w in caught]

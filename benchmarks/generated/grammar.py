@@ -27,6 +27,7 @@ from benchmarks.generated.grammar_containers import (
 )
 from benchmarks.generated.grammar_more import MORE_ROLES, draw_more, more_features
 from benchmarks.generated.grammar_scan import SCAN_ROLES, ScanDraw, draw_scan, scan_features
+from benchmarks.generated.grammar_seqfirst import SEQ_ROLES, SeqDraw, draw_seqfirst, seq_features
 from benchmarks.generated.grammar_video import VIDEO_ROLES, VideoDraw, draw_video, video_features
 
 __all__ = ["Company", "Draw", "Names", "draw", "BATCH"]
@@ -132,7 +133,9 @@ class Draw:
     ``fold`` (tokens folded into the batch before block ``change_at``) or ``latents`` (the
     blocks run on ``latent_tokens`` learned latents, the patches as their context).
     ``video`` (:mod:`~benchmarks.generated.grammar_video`) makes it a factorised video model
-    (``refuse`` may then be ``stacks_tie``).
+    (``refuse`` may then be ``stacks_tie``); ``seq``
+    (:mod:`~benchmarks.generated.grammar_seqfirst`) a sequence-first one (``input_kind``
+    ``tokens_seq_first``: ``[T, B, C]`` in and out).
     """
 
     seed: int
@@ -185,6 +188,12 @@ class Draw:
     stages: tuple[int, ...] = ()
     text_join: str = "cat"
     video: VideoDraw | None = None  # the factorised video round (grammar_video.py)
+    seq: SeqDraw | None = None  # the sequence-first round (grammar_seqfirst.py)
+
+    @property
+    def batch_dim(self) -> int:
+        """The dim of the model's input and output holding the samples."""
+        return 1 if self.seq else 0
 
     @property
     def num_patches(self) -> int:
@@ -227,6 +236,8 @@ class Draw:
         """The feature labels the benchmark table counts, e.g. ``"container=numbered"``."""
         if self.video:
             return video_features(self)
+        if self.seq:
+            return seq_features(self)
         out = [f"input={self.input_kind}", f"container={self.container}", f"call={self.call}"]
         if self.input_kind == "image_linear":
             out.append(f"patch_embed={self.patch_embed}")
@@ -328,6 +339,7 @@ def draw(seed: int) -> Draw:
     draw_scan(d)
     draw_containers(d)
     draw_video(d)
+    draw_seqfirst(d)
     d.masked = _masked(rng, d.num_patches, d.rate) if d.mask else ()
     d.side_order = _sides(rng, d)
     d.names = {role: names.fresh() for role in _ROLES}
@@ -335,6 +347,7 @@ def draw(seed: int) -> Draw:
     d.names.update({role: names.fresh() for role in MORE_ROLES})
     d.names.update({role: names.fresh() for role in SCAN_ROLES + CONTAINER_ROLES})
     d.names.update({role: names.fresh() for role in VIDEO_ROLES})
+    d.names.update({role: names.fresh() for role in SEQ_ROLES})
     return d
 
 

@@ -44,6 +44,7 @@ from benchmarks.generated.source_inputs import (
     text_lines,
     unpatchify,
 )
+from benchmarks.generated.source_seqfirst import seqfirst_module
 from benchmarks.generated.source_video import video_module, video_reason
 
 __all__ = ["module_source", "protected_ids", "kept_count", "patch_offset"]
@@ -67,6 +68,7 @@ ROUTES = [({start}, {end})]
 RATE = {rate}
 ROUTABLE = {routable}
 REASON = {reason!r}
+BATCH_DIM = {batch_dim}  # the dim of the input and the output holding the samples
 FEATURES = {features_list!r}
 '''
 
@@ -347,10 +349,12 @@ def module_source(d: Draw) -> str:
     features = d.features()
     header = _HEADER.format(
         seed=d.seed, features=", ".join(features), start=d.start, end=d.end, rate=d.rate,
-        routable=d.routable, reason=_reason(d), features_list=features,
+        routable=d.routable, reason=_reason(d), features_list=features, batch_dim=d.batch_dim,
     )  # fmt: skip
     if d.video:
         return header + video_module(d)
+    if d.seq:
+        return header + seqfirst_module(d)
     parts = [header, helpers_source(d), hook_source(d), block_source(d), _model_source(d)]
     parts += [_build_source(d), inputs_source(d), _twin_source(d)]
     return "".join(parts)
