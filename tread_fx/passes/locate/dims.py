@@ -131,13 +131,14 @@ def _layouts(meta: TensorMeta, primary: fx.Node, listed: int | None) -> list[Lay
     sizes = _input_batch_sizes(primary, listed) or [meta.shape[0]]
     rows, second = meta.shape[0], meta.shape[1]
     found: dict[int, Layout] = {}
-    for i, size in enumerate(sizes):
+    for size in sizes:
         if rows == size:
             found.setdefault(0, Layout(0, 1, rows))
-        elif i == 0 and rows > size and rows % size == 0:
-            found.setdefault(0, Layout(0, 1, rows, rows // size))  # frames folded in
         if second == size:
             found.setdefault(1, Layout(1, 0, second))
+    folds = rows > sizes[0] and rows % sizes[0] == 0  # frames or positions folded into dim 0
+    if not found and folds:
+        found[0] = Layout(0, 1, rows, rows // sizes[0])
     if not found:
         raise TokenStreamError(
             f"the token stream has shape {tuple(meta.shape)}, but the batch size {sizes[0]} "
