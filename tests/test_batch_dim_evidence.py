@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import dit_inputs, tiny_dit
+from stream_models import SelfBlock
 from torch import nn
 
 import tread_fx
@@ -83,24 +84,13 @@ class BatchFirstInside(HandSeqFirst):
 
     def __init__(self, depth: int = 4) -> None:
         super().__init__(depth)
-        self.blocks = nn.ModuleList(BatchFirstBlock() for _ in range(depth))
+        self.blocks = nn.ModuleList(SelfBlock() for _ in range(depth))  # width D == C
 
     def forward(self, x: torch.Tensor, level: torch.Tensor) -> torch.Tensor:
         h = self.embed(x, level).permute(1, 0, 2)
         for block in self.blocks:
             h = block(h)
         return self.out(h.permute(1, 0, 2))
-
-
-class BatchFirstBlock(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.attn = nn.MultiheadAttention(C, 2, batch_first=True)
-        self.mlp = nn.Linear(C, C)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        h = h + self.attn(h, h, h, need_weights=False)[0]
-        return h + self.mlp(h)
 
 
 class TokenwiseBlocks(nn.Module):
