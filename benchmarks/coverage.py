@@ -110,6 +110,10 @@ def _worker(argv: Sequence[str]) -> None:
         _judge_all(community_cases(rest[0], Path(rest[1]) if rest[1:] else None))
     elif family == "timm":
         _judge_all(_timm_cases(rest[0].split(",")))
+    elif family == "research":
+        from benchmarks.research.population import research_cases
+
+        _judge_all(research_cases(Path(rest[0]), rest[1]))
     else:
         raise SystemExit(f"unknown family {family!r}")
 
@@ -235,6 +239,27 @@ def _sweep_community(args: argparse.Namespace) -> tuple[list, dict]:
     return rows, meta
 
 
+def _sweep_research(args: argparse.Namespace) -> tuple[list, dict]:
+    from benchmarks.research.population import entries, make_snapshot
+
+    listed = [e for e in entries() if not args.only or any(s in e["repo"] for s in args.only)]
+    for entry in listed:
+        make_snapshot(entry, Path(args.mirrors), Path(args.snapshots))
+    snapshots = str(Path(args.snapshots).resolve())
+    jobs = [(["research", snapshots, e["repo"]], e["repo"]) for e in listed]
+    rows = run_population(jobs, args.jobs, timeout=CASE_TIMEOUT_S * 2)
+    if args.only:  # the other repositories keep their rows from the last run
+        old = _load(args.out.with_suffix(".json")).get("research", {}).get("rows", [])
+        done = {f"{e['repo']}: {e['class']}" for e in listed}
+        rows = [r for r in old if r["name"] not in done] + rows
+    meta = {
+        "source": f"{len(entries())} research repositories listed in "
+        "benchmarks/research/population.json before any was run (issue 58), built from "
+        "their snapshots at the listed commits",
+    }
+    return rows, meta
+
+
 def _load(path: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
@@ -348,6 +373,13 @@ def _parser() -> argparse.ArgumentParser:
     for s in (d, t, f, c):
         s.add_argument("--out", type=Path, default=RESULTS, help="output path without suffix")
         s.add_argument("--no-write", action="store_true", help="print only")
+    s = sub.add_parser("research", help="the research population (issue 58)")
+    s.add_argument("--mirrors", required=True, help="folder of fetched mirrors (owner+name/repo)")
+    s.add_argument("--snapshots", required=True, help="folder the listed commits go to")
+    s.add_argument("--only", nargs="*", default=[], help="substrings of repositories to run")
+    s.add_argument("-j", "--jobs", type=int, default=1, help="worker processes at once")
+    s.add_argument("--out", type=Path, default=RESULTS.with_name("research"))
+    s.add_argument("--no-write", action="store_true", help="print only")
     r = sub.add_parser("report", help="regenerate the markdown from the JSON")
     r.add_argument("--out", type=Path, default=RESULTS)
     return p
@@ -371,6 +403,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "timm": _sweep_timm,
         "transformers": _sweep_transformers,
         "community": _sweep_community,
+        "research": _sweep_research,
     }
     sweep = sweeps[args.population]
     rows, meta = sweep(args)
