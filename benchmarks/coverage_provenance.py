@@ -81,7 +81,8 @@ def _stream_at(model: nn.Module, path: str, slot: tuple, call: tuple[tuple, dict
     handle = model.get_submodule(path).register_forward_pre_hook(hook, with_kwargs=True)
     try:
         with torch.no_grad():
-            model.eval()(*call[0], **call[1])
+            model.eval()  # not chained: a model's own eval()/train() may return None (MDM)
+            model(*call[0], **call[1])
     finally:
         handle.remove()
     if not seen:

@@ -104,7 +104,8 @@ def _runs(model_class: type, init: dict, inputs: Any) -> bool:
         torch.manual_seed(0)
         model = model_class(**init)
         with torch.no_grad():
-            model.train()(**inputs())
+            model.train()
+            model(**inputs())
         return True
     except Exception:  # noqa: BLE001 - the raised config does not build: keep the suite's
         return False

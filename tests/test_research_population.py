@@ -136,3 +136,9 @@ def test_a_repository_without_a_builder_or_with_a_failing_one_is_not_buildable(
 
     (row,) = research_cases(tmp_path, "someone/none", [entry], {"someone/none": missing})
     assert row[1].startswith("FileNotFoundError: ") and "model.py" in row[1]
+
+
+def test_every_listed_repository_has_a_builder() -> None:
+    from benchmarks.research.population import builders
+
+    assert set(builders()) == {e["repo"] for e in _entries()}

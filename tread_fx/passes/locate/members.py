@@ -30,7 +30,15 @@ from torch import nn
 
 from tread_fx.errors import BlockStackNotFoundError
 
-__all__ = ["attribute_runs", "checked_run", "is_run", "member_path", "run_key", "stack_members"]
+__all__ = [
+    "attribute_runs",
+    "checked_run",
+    "is_composite",
+    "is_run",
+    "member_path",
+    "run_key",
+    "stack_members",
+]
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
@@ -111,7 +119,7 @@ def member_path(path: str, key: str) -> str:
     return _joined(base, rest.split(".")[0])
 
 
-def _composite(module: nn.Module) -> bool:
+def is_composite(module: nn.Module) -> bool:
     """A module made of layers (a block), not a layer itself nor a container."""
     return not isinstance(module, _CONTAINERS) and next(module.children(), None) is not None
 
@@ -129,7 +137,7 @@ def attribute_runs(
             continue
         groups: dict[type, list[str]] = defaultdict(list)
         for name, child in parent.named_children():
-            if _composite(child):
+            if is_composite(child):
                 groups[class_of(child)].append(name)
         for names in groups.values():
             if len(names) >= 2:

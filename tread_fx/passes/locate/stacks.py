@@ -46,8 +46,10 @@ from tread_fx.passes.locate.dims import channels_last
 from tread_fx.passes.locate.members import (
     attribute_runs,
     checked_run,
+    is_composite,
     is_run,
     member_path,
+    run_key,
     stack_members,
 )
 from tread_fx.passes.trace.tracer import MODEL_PREFIX, TensorMeta, TracedCall
@@ -96,7 +98,22 @@ def candidate_stacks(model: nn.Module) -> dict[str, Any]:
     for path, module in single.items():
         if block_class(module[0]) in classes and not path.startswith(inside):
             found[path] = module
+    found |= _lone_blocks(model, found, classes)
     return found or mixed
+
+
+def _lone_blocks(model: nn.Module, lists: dict[str, Any], classes: set[type]) -> dict[str, Any]:
+    """Attributes holding one block of a found list's class beside that list (U-ViT's and
+    DiS's ``mid_block`` between ``in_blocks`` and ``out_blocks``), as one-member runs
+    (``"{mid_block}"``): like a one-member list, data flow decides whether they chain."""
+    parents = {path.rpartition(".")[0] for path in lists if not is_run(path)}
+    lone = {}
+    for parent in parents:
+        for name, child in model.get_submodule(parent).named_children():
+            key = run_key(parent, [name])
+            if is_composite(child) and block_class(child) in classes and key not in lists:
+                lone[key] = [child]
+    return lone
 
 
 def _runs_of_blocks(model: nn.Module, lists: dict[str, Any]) -> dict[str, Any]:
@@ -244,7 +261,9 @@ def _valid_sequence(model: nn.Module, path: str, nodes: list[fx.Node]) -> bool:
         return False
     if not all(a in data_ancestors(b, {a}) for a, b in zip(nodes, nodes[1:])):
         return False
-    return not run or bool(_common_handed_slots(nodes) & set(input_slots(nodes[0])))
+    return (
+        not run or len(nodes) < 2 or bool(_common_handed_slots(nodes) & set(input_slots(nodes[0])))
+    )
 
 
 def _common_handed_slots(nodes: list[fx.Node]) -> set[tuple]:

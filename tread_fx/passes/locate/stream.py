@@ -130,7 +130,7 @@ def locate(
             # the stream's way into a later list is unclear (CaiT's class-attention blocks
             # take (tokens, cls)): the stack ends before that list
             chain = chain[: chain.index(err.list_path)]
-    carried = {p: _carried_slots([b for b in blocks if b.list_path == p]) for p in chain}
+    carried = {p: _carried_slots(_with_next(blocks, p)) for p in chain}
     first = blocks[0]
     meta = first.stream_in.meta.get("tread_meta")
     if not isinstance(meta, TensorMeta):
@@ -423,6 +423,16 @@ def _check_handed_on(block: BlockCall, following: BlockCall | None, block_nodes:
             f"next (block {following.path} receives in {block.in_slot} a value that does not "
             f"come from block {block.path}); pass blocks= naming the lists that do.",
         )
+
+
+def _with_next(blocks: list[BlockCall], list_path: str) -> list[BlockCall]:
+    """The members of ``list_path``; a one-member list (DiS's ``mid_block``) with the next
+    block of the stack, which shows what it hands on."""
+    members = [b for b in blocks if b.list_path == list_path]
+    if len(members) == 1:
+        at = blocks.index(members[0])
+        return blocks[at : at + 2]
+    return members
 
 
 def _carried_slots(blocks: list[BlockCall]) -> dict[tuple, SlotKey]:

@@ -8,6 +8,8 @@ forward from the stream, and for each op maps the tracked dim to its place in th
 - ``transpose``/``swapaxes``/``permute``/``movedim``/``.mT`` by their arguments;
 - ``reshape``/``view``/``flatten``/``unflatten`` when the dims before it keep their product and
   the dim keeps its size (a dim merged or split away is lost);
+- indexing with full slices, ``None`` and ``...`` (``k[:, None]``) and ``unsqueeze``, which
+  insert dims before or after it;
 - elementwise ops and copies (by torch's op tags and schemas: dims aligned from the right);
 - ops on the last dim only (a linear layer, a norm over the features), for any other dim;
   ``a @ b``: ``a``'s dims but its last, ``b``'s last; ``cat`` along another dim; ops that
@@ -29,7 +31,7 @@ from torch import nn
 from tread_fx.passes.locate.dataflow import tensor_shape
 from tread_fx.passes.plan.op_kinds import is_elementwise, keeps_values
 
-__all__ = ["follow_dim"]
+__all__ = ["feature_dims", "follow_dim"]
 
 _TRANSPOSES = {"transpose", "swapaxes", "swapdims"}
 _MOVES = {"movedim", "moveaxis"}
@@ -130,6 +132,26 @@ def _through_matmul(node: fx.Node, source: fx.Node, dim: int, before, after) -> 
     return at if 0 <= at < len(after) and after[at] == before[dim] else _UNKNOWN
 
 
+def _indexed(node: fx.Node, dim: int, before: tuple, after: tuple) -> int:
+    """``x[:, None]`` / ``x[..., None, :]`` / ``x.unsqueeze(d)``: where ``dim`` lands (full
+    slices keep a dim, ``None`` adds one, ``...`` stands for the dims not named)."""
+    if _name(node) == "unsqueeze" and len(node.args) == 2 and type(node.args[1]) is int:
+        new = node.args[1] % len(after)
+        return dim + (new <= dim)
+    index = node.args[1] if len(node.args) == 2 else None
+    items = index if isinstance(index, tuple) else (index,)
+    full = slice(None, None, None)
+    if not all(i is None or i is Ellipsis or i == full for i in items):
+        return _UNKNOWN
+    named = sum(i is not Ellipsis and i is not None for i in items)
+    expanded: list = []
+    for item in items:
+        expanded += [full] * (len(before) - named) if item is Ellipsis else [item]
+    expanded += [full] * (len(before) - sum(i is not None for i in expanded))
+    kept = [at for at, item in enumerate(expanded) if item is not None]
+    return kept[dim] if dim < len(kept) and len(expanded) == len(after) else _UNKNOWN
+
+
 def _mapped(node: fx.Node, source: fx.Node, dim: int) -> int:
     """Where ``dim`` of ``source`` (an input of ``node``) stands in ``node``'s value."""
     before, after = tensor_shape(source), tensor_shape(node)
@@ -141,6 +163,9 @@ def _mapped(node: fx.Node, source: fx.Node, dim: int) -> int:
             return moved if moved == _UNKNOWN or after[moved] == before[dim] else _UNKNOWN
         if _name(node) in _RESHAPES:
             return _reshaped(before, after, dim)
+        if node.target is operator.getitem or _name(node) == "unsqueeze":
+            at = _indexed(node, dim, before, after)
+            return at if at == _UNKNOWN or after[at] == before[dim] else _UNKNOWN
     if _name(node) in _CATS:
         return _through_cat(node, dim, before, after)
     if node.target is operator.matmul or _name(node) in _MATMULS:
@@ -184,6 +209,20 @@ def follow_dim(start: fx.Node, dim: int) -> dict[fx.Node, int]:
         }
         if places:
             found[node] = places.pop() if len(places) == 1 else _UNKNOWN
+    return found
+
+
+def feature_dims(graph: fx.Graph, data: set[fx.Node]) -> dict[fx.Node, int]:
+    """Each value of ``data`` -> its dim holding the features of a linear layer's output
+    computed from ``data`` (``-1``: none, or paths disagree): the width, never the tokens."""
+    found: dict[fx.Node, int] = {}
+    for node in graph.nodes:
+        linear = node.op == "call_module" and isinstance(
+            node.graph.owning_module.get_submodule(node.target), nn.Linear
+        )
+        if node in data and (linear or node.target is F.linear) and tensor_shape(node):
+            for value, dim in follow_dim(node, len(tensor_shape(node)) - 1).items():
+                found[value] = dim if found.get(value, dim) == dim else _UNKNOWN
     return found
 
 

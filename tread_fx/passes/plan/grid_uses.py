@@ -346,7 +346,9 @@ def inline_kept_grid(
     """Blocks to inline with the kept grid in place of numbers they hold themselves.
 
     Each reshape of such a block (in the block traced through afresh, or in the trace already
-    kept for its token tables in ``found``) is given the kept factors.
+    kept for its token tables in ``found``) is given the kept factors. A block inlined for its
+    token tables is given them for grid numbers it was handed too (Diffusion-RWKV's
+    ``patch_resolution``): the call that would tell it the kept grid is inlined away.
 
     Returns:
         The new :class:`InlineBlock` (no token tables) of the blocks not in ``found``.
@@ -356,7 +358,9 @@ def inline_kept_grid(
     """
     inlined = {b.block.node: b for b in found}
     new: dict[fx.Node, InlineBlock] = {}
-    for use in needs_inlining(uses, grid, keep):
+    handed = [u for u in uses if u.block.node in inlined and "slot" in u.sources]
+    changed = [u for u in handed if kept_factors(u.factors, grid, keep) != tuple(u.factors)]
+    for use in [*needs_inlining(uses, grid, keep), *changed]:
         if not use.inlinable:
             raise SelectionError(
                 f"{use.describe()} with numbers it holds itself (not arguments), and it cannot "

@@ -38,8 +38,10 @@ from torch.utils import _pytree as pytree
 from tread_fx.adapters.token_tables import take_rows
 from tread_fx.adapters.values import StreamLayout, TensorMeta
 from tread_fx.errors import SideInputError, warn_at_caller
-from tread_fx.passes.locate.dataflow import input_slots
+from tread_fx.passes.locate.dataflow import input_slots, tensor_shape
 from tread_fx.passes.locate.stream import BlockCall
+from tread_fx.passes.plan.dim_flow import feature_dims
+from tread_fx.passes.plan.op_kinds import is_elementwise
 from tread_fx.passes.plan.uses import Use, _forward, built_table_uses
 from tread_fx.passes.trace.block import (
     example_of,
@@ -142,13 +144,35 @@ def _tables(block: BlockCall, leaves: list, traced: TracedCall, layout: StreamLa
     for node, use in uses.items():
         if use in (Use.IDS, Use.UNKNOWN) and _built_from_tables(node, data, traced.gm):
             raise SideInputError(_unresolved(block, node, use))
+    features = feature_dims(traced.gm.graph, data)
     cut = {n: _token_dims(n.meta["tread_meta"].shape, layout, u) for n, u in uses.items()}
+    cut = {n: _off(groups, _met_feature_dims(n, features)) for n, groups in cut.items()}
     cut = {n: groups for n, groups in cut.items() if groups and uses[n] in _CUT}
     padded = _padded_by_computed_amounts(data)
     unclear = [n for n in cut if any(u in padded for u in n.users)]
     if unclear:
         warn_at_caller(_padded_table(block, unclear[0]))
     return data, {n: groups for n, groups in cut.items() if n not in unclear}
+
+
+def _met_feature_dims(table: fx.Node, features: dict[fx.Node, int]) -> set[int]:
+    """Dims of ``table`` that an elementwise op meets with the features of a linear layer's
+    output (Vision-RWKV's ``[N, N, C]`` decay table at ``C == N``: its last dim meets the
+    keys' width). They hold no tokens: cut, they would no longer match."""
+    met = set()
+    shape = table.meta["tread_meta"].shape
+    for user in (u for u in table.users if is_elementwise(u)):
+        for other in (a for a in user.all_input_nodes if features.get(a, -1) >= 0):
+            width_at = features[other] - len(tensor_shape(other)) + len(shape)
+            if width_at >= 0 and tensor_shape(other)[features[other]] > 1:
+                met.add(width_at)
+    return met
+
+
+def _off(groups: list[tuple[tuple, int]], dims: set[int]) -> list[tuple[tuple, int]]:
+    """``groups`` without ``dims``."""
+    kept = [(tuple(d for d in ds if d not in dims), skip) for ds, skip in groups]
+    return [(ds, skip) for ds, skip in kept if ds]
 
 
 def _padded_by_computed_amounts(data: set[fx.Node]) -> set[fx.Node]:

@@ -78,8 +78,10 @@ def thread_inplace(graph: fx.Graph) -> None:
 
 def library_function_of(err: BaseException, model_files: set[str]) -> Callable | None:
     """The library function the model's own code called when ``err`` was raised: the frame
-    after the traceback's last one in ``model_files`` (absolute paths), if it is a module-level
-    function outside torch, the standard library and tread_fx (else ``None``)."""
+    after the traceback's last one in ``model_files`` (absolute paths), if it is a function
+    outside torch, the standard library and tread_fx that the model's code reaches by a global
+    name: a module-level function, or one bound to a name of the caller's module (a closure
+    or a replaced kernel assigned there); else ``None``."""
     frames = [frame for frame, _ in traceback.walk_tb(err.__traceback__)]
     files = [os.path.abspath(f.f_code.co_filename) for f in frames]
     in_model = [i for i, f in enumerate(files) if f in model_files]
@@ -89,8 +91,12 @@ def library_function_of(err: BaseException, model_files: set[str]) -> Callable |
     neutral = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.__file__) + os.sep)
     if path.startswith(neutral) or own_file(path):
         return None
-    fn = callee.f_globals.get(callee.f_code.co_name)  # a module-level function only
-    return fn if getattr(fn, "__code__", None) is callee.f_code else None
+    code = callee.f_code
+    fn = callee.f_globals.get(code.co_name)  # a module-level function
+    if getattr(fn, "__code__", None) is code:
+        return fn
+    caller_names = frames[in_model[-1]].f_globals.values()
+    return next((f for f in caller_names if getattr(f, "__code__", None) is code), None)
 
 
 def defining_modules(fn: Callable) -> list[types.ModuleType]:

@@ -165,6 +165,9 @@ class ValueProxy(PythonProtocols, fx.Proxy):
         if name.startswith("__array"):  # numpy's protocols (np.asarray, np.prod(x.shape))
             array_protocol(self, name)
         value = self.tracer.value_of(self)
+        if isinstance(value, torch.Tensor) and not hasattr(value, name):
+            # as eagerly: ``hasattr``/``inspect.signature`` probes (einx) see no attribute
+            raise AttributeError(f"'Tensor' object has no attribute {name!r}")
         if (
             isinstance(value, torch.Tensor)
             and self.tracer.api_kind("attribute", name) == "metadata"
