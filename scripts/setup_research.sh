@@ -16,7 +16,11 @@ PIP=(.venv/bin/python -m pip install --disable-pip-version-check -q)
   encodec g2p-en nltk torchode torchtyping gateloop-transformer rjieba pypinyin datasets wandb \
   progressbar pyworld vector-quantize-pytorch local-attention x-clip pytorch-warmup \
   sentencepiece num2words indic-num2words opencv-python-headless tensorboard tensorboardX \
-  bitsandbytes peft addict yapf "antlr4-python3-runtime==4.9.3" "setuptools<81"
+  bitsandbytes peft addict yapf "antlr4-python3-runtime==4.9.3" "setuptools<81" PyWavelets \
+  fvcore yacs termcolor
 "${PIP[@]}" --no-deps dctorch smplx hydra-core colossalai galore-torch mmengine audiolm-pytorch \
-  naturalspeech2-pytorch spear-tts-pytorch
+  naturalspeech2-pytorch spear-tts-pytorch flash-linear-attention==0.1
+# mamba_ssm's Python code only (its reference scan), no CUDA build
+MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE "${PIP[@]}" --no-deps --no-build-isolation \
+  "mamba-ssm==2.3.2.post1"
 echo "setup_research.sh: done"

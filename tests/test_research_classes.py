@@ -209,3 +209,28 @@ def test_an_attribute_the_tensor_lacks_is_missing_while_tracing_too() -> None:
         h = scatter_rows(h, ids, k)
         expected = model.head(h + model.blocks[3](h)[0])
     torch.testing.assert_close(routed.detach(), expected)
+
+
+# -- Open-Sora: the class defines no forward, the instance is given one --------------------
+
+
+class InstanceForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(PairBlock() for _ in range(4))
+        self.forward = self.forward_plain  # what Open-Sora's MMDiTModel does in __init__
+
+    def forward_plain(self, x):
+        for block in self.blocks:
+            x = x + block(x)[0]
+        return x
+
+
+def test_a_forward_set_on_the_instance_only_is_refused_at_route() -> None:
+    import pytest
+
+    model = InstanceForward()
+    with pytest.raises(tread_fx.UntraceableModelError, match="class defines no forward") as err:
+        tread_fx.route(model)
+    assert "self.forward = ..." in str(err.value).splitlines()[0]
+    assert model(torch.randn(B, 8, D)).shape == (B, 8, D)  # the model is left as it was

@@ -29,6 +29,7 @@ from tread_fx.module_state import (
     ModuleModes,
     call_signature,
     check_call,
+    check_class_forward,
     check_unwrapped,
     traced_through,
     unwrap,
@@ -391,6 +392,7 @@ def route(
                 "first, or pass reroute=True to replace its routing."
             )
         unroute(model)
+    check_class_forward(model)
     config = resolve_config(model, routes, rate, **options_of(locals()))
     state = _RoutingState(config, seed, compile, _check_probability(routing_probability))
     if example_inputs is not None:

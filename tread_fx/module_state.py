@@ -39,11 +39,12 @@ from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
-from tread_fx.errors import WrappedModelError, with_article
+from tread_fx.errors import UntraceableModelError, WrappedModelError, with_article
 
 __all__ = [
     "unwrap",
     "check_unwrapped",
+    "check_class_forward",
     "refuse_replica",
     "REPLICATE",
     "WRAPPER_ATTRIBUTES",
@@ -110,6 +111,27 @@ def check_unwrapped(model: Any) -> None:
             f"route() was given {with_article(name)} on which model.compile() was already "
             "called; route first, then compile.\nThat is: tread_fx.route(model, ...), then "
             "model.compile() (or route(..., compile=True), which compiles the routed graph)."
+        )
+
+
+def check_class_forward(model: nn.Module) -> None:
+    """Refuse a model whose class defines no ``forward`` and whose forward is set on the
+    instance (Open-Sora's ``self.forward = self.forward_ckpt``): tread_fx traces and routes
+    the class's ``forward``.
+
+    Raises:
+        UntraceableModelError: naming the instance attribute and what to do.
+
+    Example:
+        >>> check_class_forward(nn.Linear(2, 2))  # the class's forward: fine
+    """
+    name = type(model).__name__
+    if type(model).forward is nn.Module.forward and callable(vars(model).get("forward")):
+        raise UntraceableModelError(
+            f"route() was given {with_article(name)} whose class defines no forward; its "
+            "forward is set on the instance (self.forward = ...).\nDefine it on the class "
+            f"(a subclass of {name} whose forward calls the chosen method), then route that "
+            "model: tread_fx traces the class's forward."
         )
 
 
