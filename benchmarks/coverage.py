@@ -81,8 +81,10 @@ def _judge_all(cases: Iterable[Any]) -> None:
     from benchmarks.coverage_checks import Verdict, judge
 
     for case in cases:
-        if isinstance(case, tuple):  # (name, reason): could not be made
-            _emit(Verdict(case[0], "", "not buildable", case[1], "config").to_dict())
+        if isinstance(case, tuple):  # (name, reason[, expected]): could not be made
+            expected = case[2] if len(case) > 2 else ""
+            _emit(Verdict(case[0], "", "not buildable", case[1], "config", expected=expected)
+                  .to_dict())  # fmt: skip
             continue
         _alarm(CASE_TIMEOUT_S)
         try:

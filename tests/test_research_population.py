@@ -129,7 +129,7 @@ def test_a_repository_without_a_builder_or_with_a_failing_one_is_not_buildable(
     entry = {"domain": "3d", "repo": "someone/none", "commit": "0" * 40, "class": "M",
              "edits": "", "expected": "route"}  # fmt: skip
     (row,) = research_cases(tmp_path, "someone/none", [entry], {})
-    assert row == ("someone/none: M", "no builder written for this repository yet")
+    assert row == ("someone/none: M", "no builder written for this repository yet", "route")
 
     def missing(root: Path):
         raise FileNotFoundError(f"{root / 'model.py'} is not in the snapshot")

@@ -1,6 +1,7 @@
 """A Vim-style bidirectional Mamba in U-ViT's skip layout (issue 44): pair blocks handing on
 ``(hidden_states, residual)`` (the residual ``None`` into the first), ``in_blocks``, one
-``mid_block`` of the same class between the lists (traced through as code), ``out_blocks``
+``mid_block`` of the same class between the lists (a block of the stack: a one-member run
+``{mid_block}``, so the stack has ``2 * HALF + 1`` blocks), ``out_blocks``
 each taking a long skip popped from a stack (concatenated on the channels and projected), a
 time token in front of the patch tokens.
 
@@ -75,19 +76,21 @@ def _inputs():
 
 ROUTES = {
     "default": [(1, -1)],
-    "spans-the-mid-block": [(2, 4)],
-    "ends-at-the-first-out-block": [(1, 3)],
+    "spans-the-mid-block": [(2, 5)],
+    "ends-before-the-mid-block": [(1, 3)],
+    "ends-at-the-mid-block": [(1, 4)],
     "ends-inside-out-blocks": [(1, 5)],
-    "starts-in-out-blocks": [(4, 6)],
-    "starts-at-the-first-out-block": [(3, 5)],
-    "from-block-0": [(0, 6)],
+    "starts-in-out-blocks": [(5, 7)],
+    "starts-at-the-mid-block": [(3, 5)],
+    "from-block-0": [(0, 7)],
     "two-routes": [(1, 3), (4, 6)],
 }
+DEPTH = 2 * HALF + 1
 CASES = [Case(name, VimUViT, _inputs, routes=r) for name, r in ROUTES.items()]
 
 
 def _resolved(routes: list) -> list[tuple[int, int]]:
-    return [(s, e % (2 * HALF) if e < 0 else e) for s, e in routes]
+    return [(s, e % DEPTH if e < 0 else e) for s, e in routes]
 
 
 def _enter(pair: tuple, ids: torch.Tensor) -> tuple:
@@ -112,15 +115,13 @@ def _skip(skip: torch.Tensor, made: int | None, used: int | None, at: dict, kept
 
 
 def _by_hand(model: VimUViT, x, t, routes: list, kept: list) -> torch.Tensor:
-    """TREAD by hand over the pair: gathered at a route's start, written back at its end (the
-    mid block's code runs before block ``HALF``'s input, so inside a route that spans it)."""
-    blocks = [*model.in_blocks, *model.out_blocks]
+    """TREAD by hand over the pair: gathered at a route's start, written back at its end; the
+    mid block is block ``HALF``."""
+    blocks = [*model.in_blocks, model.mid_block, *model.out_blocks]
     hidden = torch.cat([model.time(t[:, None, None]), model.patch(x)], dim=1) + model.pos
     pair, at, skips = (hidden, None), {}, []
     inside = lambda i: next((r for r, (s, e) in enumerate(routes) if s <= i < e), None)  # noqa: E731
     for i, block in enumerate([*blocks, None]):
-        if i == HALF:
-            pair = model.mid_block(*pair)
         for r, (s, e) in enumerate(routes):
             if e == i:
                 pair = _leave(at[r], pair, kept[r])
@@ -131,6 +132,8 @@ def _by_hand(model: VimUViT, x, t, routes: list, kept: list) -> torch.Tensor:
         if i < HALF:
             pair = block(*pair)
             skips.append((pair[0], inside(i)))
+        elif i == HALF:
+            pair = block(*pair)
         else:
             pair = block(*pair, _skip(*skips.pop(), inside(i), at, kept))
     return model.head(model.norm_f(pair[0] + pair[1])[:, 1:])
@@ -147,11 +150,11 @@ def _routed(case: Case) -> tuple[VimUViT, torch.Tensor, list]:
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_the_route_spans_both_lists_and_the_mid_block(case):
     exp = tread_fx.explain(case.model(), case.routes, 0.5, _inputs(), flops=False)
-    assert [s["path"] for s in exp.stacks] == ["in_blocks", "out_blocks"]
+    assert [s["path"] for s in exp.stacks] == ["in_blocks", "{mid_block}", "out_blocks"]
     routes = _resolved(case.routes)
     kept = 1 + N - N // 2  # the time token is a prefix
     assert [b.tokens_routed for b in exp.blocks] == [
-        kept if any(s <= i < e for s, e in routes) else N + 1 for i in range(2 * HALF)
+        kept if any(s <= i < e for s, e in routes) else N + 1 for i in range(DEPTH)
     ]
 
 

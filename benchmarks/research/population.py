@@ -117,18 +117,18 @@ def builders() -> dict[str, Callable[[Path], Build]]:
 def research_cases(
     snapshots: Path, repo: str, listed: list[dict] | None = None, known: dict | None = None
 ) -> Iterator[Case | tuple]:
-    """The case of listed repository ``repo``, built from its snapshot, or ``(name, reason)``
-    where it cannot be built (no builder yet, an import or build error)."""
+    """The case of listed repository ``repo``, built from its snapshot, or ``(name, reason,
+    expected)`` where it cannot be built (no builder yet, an import or build error)."""
     entry = next(e for e in (listed or entries()) if e["repo"] == repo)
     name = f"{repo}: {entry['class']}"
     builder = (builders() if known is None else known).get(repo)
     if builder is None:
-        yield name, "no builder written for this repository yet"
+        yield name, "no builder written for this repository yet", entry["expected"]
         return
     try:
         build = builder(Path(snapshots) / folder_name(repo))
     except Exception as err:  # an import or a missing file: the row says which
-        yield name, f"{type(err).__name__}: {err}".splitlines()[0][:300]
+        yield name, f"{type(err).__name__}: {err}".splitlines()[0][:300], entry["expected"]
         return
     edits = f"edits: {entry['edits']}" if entry["edits"] else ""
     yield Case(

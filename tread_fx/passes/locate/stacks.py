@@ -106,12 +106,13 @@ def _lone_blocks(model: nn.Module, lists: dict[str, Any], classes: set[type]) ->
     """Attributes holding one block of a found list's class beside that list (U-ViT's and
     DiS's ``mid_block`` between ``in_blocks`` and ``out_blocks``), as one-member runs
     (``"{mid_block}"``): like a one-member list, data flow decides whether they chain."""
-    parents = {path.rpartition(".")[0] for path in lists if not is_run(path)}
+    parents = {path.rpartition(".")[0] for path in lists if path and not is_run(path)}
+    members = {id(m) for found in lists.values() for m in found}
     lone = {}
     for parent in parents:
         for name, child in model.get_submodule(parent).named_children():
             key = run_key(parent, [name])
-            if is_composite(child) and block_class(child) in classes and key not in lists:
+            if is_composite(child) and block_class(child) in classes and id(child) not in members:
                 lone[key] = [child]
     return lone
 
