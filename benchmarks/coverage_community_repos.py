@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 import subprocess
 import sys
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -64,16 +65,25 @@ def make_snapshot(name: str, git_dir: Path, snapshots: Path) -> Path:
     return folder
 
 
-def import_snapshot(root: Path, *modules: str) -> list[Any]:
+def import_snapshot(root: Path, *modules: str, bare: tuple[str, ...] = ()) -> list[Any]:
     """Import ``modules`` (dotted) from a snapshot folder, as its repository's scripts do.
 
     While importing, the folder is first on ``sys.path`` and no other entry that holds the
     same top-level name is on it (several repositories call theirs ``models``, as this
-    project does); a module already imported under that name is dropped first.
+    project does); a module already imported under that name is dropped first. Packages in
+    ``bare`` are registered without running their ``__init__`` (which imports a pipeline,
+    a dataset or a simulator the model file does not need).
     """
-    tops = {m.split(".")[0] for m in modules}
+    tops = {m.split(".")[0] for m in (*modules, *bare)}
     for name in [m for m in sys.modules if m.split(".")[0] in tops]:
         del sys.modules[name]
+    for package in bare:
+        module = types.ModuleType(package)
+        module.__path__ = [str(Path(root, *package.split(".")))]
+        sys.modules[package] = module
+        parent, _, leaf = package.rpartition(".")
+        if parent:
+            setattr(sys.modules[parent], leaf, module)
 
     def holds(entry: str) -> bool:
         where = Path(entry or ".")

@@ -13,9 +13,6 @@ Example:
 
 from __future__ import annotations
 
-import importlib
-import sys
-import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -67,26 +64,10 @@ def _no_grad(make: Callable[[], Any]) -> Callable[[], Any]:
     return made
 
 
-def import_bare(root: Path, module: str, packages: tuple[str, ...]) -> types.ModuleType:
-    """Import ``module`` from snapshot ``root`` with ``packages`` registered as bare packages
-    (their ``__init__`` is not run: it imports a pipeline the model file does not need).
-
-    Like ``import_snapshot``, ``root`` is first on ``sys.path`` while importing, no other entry
-    holding the same top-level name is on it, and modules of that name imported before go.
-    """
-    top = module.split(".")[0]
-    for name in [m for m in sys.modules if m.split(".")[0] == top]:
-        del sys.modules[name]
-    for name in packages:
-        stub = types.ModuleType(name)
-        stub.__path__ = [str(root.joinpath(*name.split(".")))]
-        sys.modules[name] = stub
-    saved = sys.path[:]
-    sys.path[:] = [str(root), *(p for p in saved if not (Path(p or ".") / top).exists())]
-    try:
-        return importlib.import_module(module)
-    finally:
-        sys.path[:] = saved
+def import_bare(root: Path, dotted: str, packages: tuple[str, ...] | list[str]) -> Any:
+    """Import module ``dotted`` from snapshot ``root`` with ``packages`` registered bare
+    (``import_snapshot(..., bare=...)``)."""
+    return import_snapshot(root, dotted, bare=tuple(packages))[0]
 
 
 # -- flow-matching TTS: frame-aligned stacks -----------------------------------------------

@@ -12,8 +12,6 @@ Example:
 
 from __future__ import annotations
 
-import importlib
-import sys
 import types
 from collections.abc import Callable
 from pathlib import Path
@@ -53,25 +51,10 @@ def _sigmas() -> torch.Tensor:
     return torch.tensor([0.5, 8.0])
 
 
-def import_bare(root: Path, dotted: str, packages: list[str]) -> Any:
-    """Import module ``dotted`` from snapshot ``root`` with ``packages`` registered as bare
-    packages (their folder on ``__path__``, their ``__init__.py`` not run), as importing the
-    file by path does where a package ``__init__`` pulls in simulators or datasets."""
-    tops = {p.split(".")[0] for p in packages}
-    for name in [m for m in sys.modules if m.split(".")[0] in tops]:
-        del sys.modules[name]
-    for name in packages:
-        module = types.ModuleType(name)
-        module.__path__ = [str(root / name.replace(".", "/"))]
-        sys.modules[name] = module
-        parent, _, child = name.rpartition(".")
-        if parent:
-            setattr(sys.modules[parent], child, module)
-    sys.path.insert(0, str(root))
-    try:
-        return importlib.import_module(dotted)
-    finally:
-        sys.path.remove(str(root))
+def import_bare(root: Path, dotted: str, packages: tuple[str, ...] | list[str]) -> Any:
+    """Import module ``dotted`` from snapshot ``root`` with ``packages`` registered bare
+    (``import_snapshot(..., bare=...)``)."""
+    return import_snapshot(root, dotted, bare=tuple(packages))[0]
 
 
 # -- human motion ------------------------------------------------------------------------

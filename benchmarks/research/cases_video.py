@@ -46,25 +46,10 @@ def _randn(*shape: int) -> torch.Tensor:
     return torch.randn(*shape, generator=_gen())
 
 
-def import_bare(root: Path, dotted: str, packages: tuple[str, ...]) -> Any:
-    """Import module ``dotted`` from snapshot ``root`` with ``packages`` registered as bare
-    packages (their ``__init__`` files, which import the rest of the repository, not run)."""
-    tops = {dotted.split(".")[0], *(p.split(".")[0] for p in packages)}
-    for name in [m for m in sys.modules if m.split(".")[0] in tops]:
-        del sys.modules[name]
-    for package in packages:
-        module = types.ModuleType(package)
-        module.__path__ = [str(Path(root, *package.split(".")))]
-        sys.modules[package] = module
-        if "." in package:
-            parent, leaf = package.rsplit(".", 1)
-            setattr(sys.modules[parent], leaf, module)
-    saved = sys.path[:]
-    sys.path.insert(0, str(root))
-    try:
-        return importlib.import_module(dotted)
-    finally:
-        sys.path[:] = saved
+def import_bare(root: Path, dotted: str, packages: tuple[str, ...] | list[str]) -> Any:
+    """Import module ``dotted`` from snapshot ``root`` with ``packages`` registered bare
+    (``import_snapshot(..., bare=...)``)."""
+    return import_snapshot(root, dotted, bare=tuple(packages))[0]
 
 
 def _frames_inputs(label: bool) -> tuple[tuple, dict]:
