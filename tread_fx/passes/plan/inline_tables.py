@@ -144,7 +144,7 @@ def _tables(block: BlockCall, leaves: list, traced: TracedCall, layout: StreamLa
     for node, use in uses.items():
         if use in (Use.IDS, Use.UNKNOWN) and _built_from_tables(node, data, traced.gm):
             raise SideInputError(_unresolved(block, node, use))
-    features = feature_dims(traced.gm.graph, data)
+    features = feature_dims(traced.gm.graph, data) if uses else {}  # walks the graph per linear
     cut = {n: _token_dims(n.meta["tread_meta"].shape, layout, u) for n, u in uses.items()}
     cut = {n: _off(groups, _met_feature_dims(n, features)) for n, groups in cut.items()}
     cut = {n: groups for n, groups in cut.items() if groups and uses[n] in _CUT}
