@@ -40,6 +40,7 @@ __all__ = [
     "SideInputError",
     "SelectionError",
     "RoutedGraphError",
+    "RouteCheckError",
     "CheckpointError",
     "RegistrationError",
     "ModelSpecError",
@@ -215,6 +216,10 @@ class SelectionError(TreadFxError, ValueError):
 
 class RoutedGraphError(TreadFxError, RuntimeError):
     """The rewritten graph failed where the original forward succeeded."""
+
+
+class RouteCheckError(TreadFxError, ValueError):
+    """A routed graph fails on fake tensors before its first call, where the original runs."""
 
 
 class CheckpointError(TreadFxError, ValueError):

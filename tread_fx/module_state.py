@@ -28,10 +28,13 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import functools
 import inspect
 import operator
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -53,6 +56,7 @@ __all__ = [
     "ModuleModes",
     "traced_through",
     "call_signature",
+    "attributes_kept",
 ]
 
 _WRAPPERS = {  # class name: (the attribute holding the model, what to pass route() instead)
@@ -303,3 +307,40 @@ def check_call(model: nn.Module, args: tuple, kwargs: dict) -> None:
         # raises the very TypeError the unrouted model raises (same message).
         forward(model, *args, **kwargs)
         raise
+
+
+@contextlib.contextmanager
+def attributes_kept(model: nn.Module) -> Iterator[None]:
+    """Put every module's attributes, parameters and buffers back as they were on leaving.
+
+    Tracing and checking run the model's code, and a forward that keeps something on itself
+    (a cache, a counter, its last input) would keep a traced proxy or a fake tensor there.
+
+    Example:
+        >>> layer = nn.Linear(2, 2)
+        >>> with attributes_kept(layer):
+        ...     layer.cache = 1
+        >>> hasattr(layer, "cache")
+        False
+    """
+    saved = [(m, dict(m.__dict__), dict(m._parameters), dict(m._buffers)) for m in model.modules()]
+    held = [  # list and dict attributes: their items are put back too (``self.cache[i] = x``)
+        (value, copy.copy(value))
+        for _, attributes, _, _ in saved
+        for value in attributes.values()
+        if type(value) in (list, dict)
+    ]
+    try:
+        yield
+    finally:
+        for module, attributes, parameters, buffers in saved:
+            for live, kept in ((module.__dict__, attributes), (module._parameters, parameters),
+                               (module._buffers, buffers)):  # fmt: skip
+                live.clear()
+                live.update(kept)
+        for container, items in held:
+            container.clear()
+            if isinstance(container, list):
+                container.extend(items)
+            else:
+                container.update(items)

@@ -36,8 +36,10 @@ from tread_fx.errors import (
     TokenStreamError,
     warn_at_caller,
 )
+from tread_fx.module_state import attributes_kept
 from tread_fx.passes.locate.batch_dim import UNTOLD, untold_warning
 from tread_fx.passes.locate.choice import choose_stream, thin_stack
+from tread_fx.passes.locate.dataflow import fed_by
 from tread_fx.passes.locate.dims import GRID_ROWS, is_token_major
 from tread_fx.passes.locate.layout import check_no_token_tables_inside, grid_in_block_arguments
 from tread_fx.passes.locate.stacks import block_leaf_paths, resolve_block_lists
@@ -46,6 +48,7 @@ from tread_fx.passes.plan.forms import cut_at_route_ends, form_changes, locate_t
 from tread_fx.passes.plan.grid_uses import grid_by_use, grid_uses, inline_kept_grid, needs_inlining
 from tread_fx.passes.plan.inline_tables import InlineBlock, find_token_tables, inline_token_tables
 from tread_fx.passes.plan.route_plan import Crossing, RoutePlan, graph_to_networkx, plan_route
+from tread_fx.passes.rewrite.check import check_routed_graph
 from tread_fx.passes.rewrite.insert import append_route_outputs, rewrite_route
 from tread_fx.passes.trace.block import drop_examples
 from tread_fx.passes.trace.tracer import TracedCall, trace_call
@@ -153,12 +156,38 @@ def _split_routes(traced, info: StreamInfo, routes: list[Route], args, kwargs) -
     tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
     splits = {}
     for i, route in enumerate(routes):
+        _refuse_restart(info, route)
         cut_at_route_ends(g, info, route)
         changes = form_changes(g, info, route)
         if needs_split(g, info, route, changes):
             splits[i] = locate_tokens(traced.gm, info, route, changes, tensors)
             info.form_cuts.update(changes)
     return splits
+
+
+def _refuse_restart(info: StreamInfo, route: Route) -> None:
+    """A route carries one token stream: a block inside it whose stream does not come from
+    the block before it (DDT's decoder blocks take a new stream after the encoder's) starts
+    another, and the tokens the route skipped have no value in it. A route ending at such a
+    block ends at the outputs of the block before it."""
+    if route.end < info.depth and _restarts(info, route.end):
+        info.form_cuts.add(route.end)  # the route ends at its last block's outputs
+    for j in range(route.start + 1, route.end):
+        if _restarts(info, j):
+            block = info.blocks[j]
+            raise TokenStreamError(
+                f"route ({route.start}, {route.end}) crosses block {j} ({block.path}), whose "
+                f"token stream does not come from block {j - 1}: route each stream apart.\n"
+                f"A new stream starts at block {j} ({block.stream_in.name}), so the tokens the "
+                f"route skipped would be written back into another stream. Use routes that "
+                f"end at block {j} or start there, e.g. routes=[({route.start}, {j}), "
+                f"({j}, {route.end})]."
+            )
+
+
+def _restarts(info: StreamInfo, index: int) -> bool:
+    """Whether block ``index`` takes a stream not computed from the block before it."""
+    return not fed_by(info.blocks[index].stream_in, info.blocks[index - 1].stream_out)
 
 
 def _first_piece(route: Route, changes: list | None) -> Route:
@@ -340,9 +369,14 @@ def build(model: nn.Module, args: tuple, kwargs: dict, config: RoutingConfig) ->
         A :class:`Built` whose GraphModule takes the call's tensors followed by one noise
         tensor per route and returns the model's flat outputs followed by the kept ids, and
         the seconds each stage took.
+
+    Raises:
+        RouteCheckError: the routed graph fails on fake tensors where the model runs.
     """
-    with stage_clock() as seconds:
+    with stage_clock() as seconds, attributes_kept(model):
         built = _build(model, args, kwargs, config)
+        with stage("checking", lambda: {"model": model}):
+            check_routed_graph(built, model, args, kwargs)
     built.stage_seconds = dict(seconds)
     return built
 

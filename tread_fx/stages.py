@@ -37,7 +37,7 @@ from torch import nn
 
 from tread_fx.errors import TreadFxError, TreadFxInternalError
 
-__all__ = ["stage", "stage_clock", "raised_by_tread_fx", "source_line", "own_file"]
+__all__ = ["stage", "stage_clock", "raised_by_tread_fx", "source_line", "model_frame", "own_file"]
 
 _OWN = os.path.dirname(os.path.abspath(__file__)) + os.sep
 # the reference backbones live in the package but are model code, like anyone's
@@ -82,7 +82,7 @@ def source_line(obj: Any) -> str:
         return ""
 
 
-def _model_frame(err: BaseException) -> str:
+def model_frame(err: BaseException) -> str:
     """The innermost frame of the model's code (outside torch, stdlib, tread_fx), if any."""
     frame = next((f for f in _frames(err) if not own_file(f.filename)), None)
     return f"{frame.filename}:{frame.lineno}" if frame else ""
@@ -132,7 +132,7 @@ def stage_clock() -> Iterator[dict[str, float]]:
 
 def _internal(name: str, focus: dict[str, Any], err: BaseException) -> TreadFxInternalError:
     block = focus.get("block")
-    where = _model_frame(err) or source_line(focus.get("module") or focus.get("model"))
+    where = model_frame(err) or source_line(focus.get("module") or focus.get("model"))
     model = focus.get("model")
     detail = str(err).strip().splitlines()[0][:300] if str(err).strip() else ""
     return TreadFxInternalError(

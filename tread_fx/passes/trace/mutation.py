@@ -8,6 +8,9 @@
   proxy): :func:`library_function_of` finds in the traceback the library function the model's
   code called, to trace again with it as a leaf function (no per-library code).
 - **Changes to the module** (:func:`side_effects`): flags set, in-place writes to its state.
+- **Values kept on the module** (:func:`stored_traced_values`): a traced value the forward
+  stored on a module (``self.cache[i] = x``) for a later call to read; a routed graph returns
+  only the outputs and would leave it stale, so such a forward is refused.
 
 Example:
     >>> import torch
@@ -39,6 +42,7 @@ __all__ = [
     "drop_unused_sizes",
     "module_flags",
     "side_effects",
+    "stored_traced_values",
     "state_mutations",
 ]
 
@@ -144,3 +148,41 @@ def side_effects(before: dict, model: torch.nn.Module, graph: fx.Graph) -> list[
         for n in state_mutations(graph)
     ]
     return [f"attribute {c} changed" for c in changed] + [f"in-place {w}" for w in writes]
+
+
+def stored_traced_values(model: torch.nn.Module) -> list[str]:
+    """Attributes of the model's modules that hold a traced value computed from the call's
+    data after a trace, directly or in a list, tuple or dict attribute
+    (``self.reuse_feature[i] = x``): ``path.name[key]``."""
+    found = []
+    for path, module in model.named_modules():
+        for name, value in vars(module).items():
+            where = f"{path}.{name}" if path else name
+            for key, item in _items(value):
+                if isinstance(item, fx.Proxy) and _from_input_data(item.node):
+                    found.append(where if key is None else f"{where}[{key!r}]")
+    return found
+
+
+def _from_input_data(node: fx.Node) -> bool:
+    """Whether ``node`` is computed from the call's tensor data, not only from sizes and
+    constants (a memo of a table per grid size is recomputed by every routed call anyway)."""
+    seen, todo = {node}, [node]
+    while todo:
+        current = todo.pop()
+        if current.op == "placeholder":
+            return True
+        for arg in current.all_input_nodes:
+            if arg not in seen and not isinstance(arg.meta.get("tread_meta"), int):
+                seen.add(arg)
+                todo.append(arg)
+    return False
+
+
+def _items(value: Any) -> Any:
+    """``(key, item)`` pairs of a container attribute; ``(None, value)`` for anything else."""
+    if isinstance(value, dict):
+        return value.items()
+    if isinstance(value, (list, tuple)):
+        return enumerate(value)
+    return [(None, value)]

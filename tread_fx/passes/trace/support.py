@@ -56,6 +56,7 @@ __all__ = [
     "has_call_hooks",
     "name_placeholders",
     "side_effect_error",
+    "stored_value_error",
     "traceback_location",
     "untraceable_error",
     "store_object_constant",
@@ -239,6 +240,17 @@ def side_effect_error(model: nn.Module, effects: list[str]) -> UntraceableModelE
         "change happen once, while tracing, and traces again, but here the second trace "
         "changed it again. Make the change once before routing (e.g. call the model once), "
         "or move it out of forward."
+    )
+
+
+def stored_value_error(model: nn.Module, stored: list[str]) -> UntraceableModelError:
+    return UntraceableModelError(
+        f"{type(model).__name__}.forward keeps values it computes on the module "
+        f"({', '.join(stored[:3])}{', ...' if len(stored) > 3 else ''}) for a later call.\n"
+        "A routed graph returns only the model's outputs, so each routed training call would "
+        "leave them as they were, and a later call would read stale values. Store them only "
+        "outside training (e.g. under `if not self.training:`), or route a forward that does "
+        "not keep them."
     )
 
 

@@ -36,6 +36,7 @@ from tread_fx.passes.trace.mutation import (
     library_function_of,
     module_flags,
     side_effects,
+    stored_traced_values,
     thread_inplace,
 )
 from tread_fx.passes.trace.opaque import (
@@ -55,6 +56,7 @@ from tread_fx.passes.trace.support import (
     failure_reason,
     name_placeholders,
     side_effect_error,
+    stored_value_error,
     traceback_location,
     traced_values_are_tensors,
     untraceable_error,
@@ -241,7 +243,8 @@ def trace_call(
         tracer._autowrap_search.extend(m for f in auto_functions for m in defining_modules(f))
         try:
             graph = trace_restoring_state(tracer, wrapper, model, tensors)
-            effects = side_effects(flags, model, graph)
+            stored = stored_traced_values(model)
+            effects = [] if stored else side_effects(flags, model, graph)
             if not effects:
                 break
             if retraced:  # the forward changes the module on every call: never replay that
@@ -278,6 +281,8 @@ def trace_call(
                 stuck = DataDependentError(str(err), None, traceback_location(err))
                 raise _stuck(model, stuck, tracer, (args, kwargs), auto_leaves) from None
             auto_leaves[leaf] = failure_reason(err)
+    if stored:
+        raise stored_value_error(model, stored)
     thread_inplace(graph)
     drop_unused_sizes(graph)
     gm = fx.GraphModule(wrapper, graph, class_name=type(model).__name__ + "Traced")
