@@ -15,10 +15,18 @@ self-written model compared with a hand-written route:
   dims only (the last one meets the keys' features), so kept tokens keep their original
   distances. A block inlined for its tables runs at the traced sizes, so the count it reads
   (``decay / T``) stays the full count ``N`` (docs/design.md).
+- milmor/diffusion-transformer (Linformer attention): keys and values projected along the
+  tokens by a parameter sliced to the token count inside the block (``k^T @ E[:n]``). Before,
+  the block ran on the kept tokens as one call and took ``E``'s *first* ``k`` rows, silently;
+  now ``E[:n]`` is a table built from the count, cut at the kept ids (shared across the
+  batch); with ``E`` on the left (``E[:n]^T @ k``, the tokens on its last dim) it is refused.
+
+(Stream classes from the same population: tests/test_research_streams.py.)
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 from stand_in_kernels import make_head_scale
 from third_party_checks import gather_rows, scatter_rows
@@ -234,3 +242,70 @@ def test_a_forward_set_on_the_instance_only_is_refused_at_route() -> None:
         tread_fx.route(model)
     assert "self.forward = ..." in str(err.value).splitlines()[0]
     assert model(torch.randn(B, 8, D)).shape == (B, 8, D)  # the model is left as it was
+
+
+# -- milmor: a Linformer projection sliced to the token count inside the block ---------------
+
+
+class LowRankAttention(nn.Module):
+    def __init__(self, max_len: int = 16, rank: int = 8, left: bool = False) -> None:
+        super().__init__()
+        self.left = left
+        self.qkv = nn.Linear(D, 3 * D)
+        self.E = nn.Parameter(torch.randn(max_len, rank) / 4)
+        self.out = nn.Linear(D, D)
+
+    def forward(self, x):
+        b, n, d = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, 2, -1).permute(2, 0, 3, 1, 4)  # [b, h, n, dh]
+        if self.left:
+            k, v = self.E[:n].T @ k, self.E[:n].T @ v  # [b, h, rank, dh]
+        else:
+            k = (k.transpose(-1, -2) @ self.E[:n]).transpose(-1, -2)
+            v = (v.transpose(-1, -2) @ self.E[:n]).transpose(-1, -2)
+        att = (q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5).softmax(-1)
+        return self.out((att @ v).transpose(1, 2).reshape(b, n, d))
+
+
+class Linformer(nn.Module):
+    def __init__(self, left: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Linear(3, D)
+        self.blocks = nn.ModuleList(LowRankAttention(left=left) for _ in range(4))
+        self.head = nn.Linear(D, 3)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def test_a_projection_sliced_to_the_token_count_is_cut_at_the_kept_ids() -> None:
+    torch.manual_seed(0)
+    model, x = Linformer(), torch.randn(B, 16, 3)
+    tread_fx.route(model, routes=[(1, 3)], rate=0.5, seed=0)
+    routed = model.train()(x)
+    ids = tread_fx.route_info(model)[0].kept
+    assert torch.equal(ids[0], ids[1])  # the table has no batch dim: one selection for all
+    with torch.no_grad():
+        h = model.embed(x)
+        h = h + model.blocks[0](h)
+        kept = gather_rows(h, ids)
+        for block in model.blocks[1:3]:
+            n = kept.shape[1]
+            q, k, v = block.qkv(kept).reshape(B, n, 3, 2, -1).permute(2, 0, 3, 1, 4)
+            table = block.E[ids[0]]  # the kept tokens' own rows, not the first n
+            k = (k.transpose(-1, -2) @ table).transpose(-1, -2)
+            v = (v.transpose(-1, -2) @ table).transpose(-1, -2)
+            att = (q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5).softmax(-1)
+            kept = kept + block.out((att @ v).transpose(1, 2).reshape(B, n, D))
+        h = scatter_rows(h, ids, kept)
+        expected = model.head(h + model.blocks[3](h))
+    torch.testing.assert_close(routed.detach(), expected)
+
+
+def test_a_projection_holding_the_tokens_on_its_last_dim_is_refused() -> None:
+    model = tread_fx.route(Linformer(left=True), routes=[(1, 3)], rate=0.5)
+    with pytest.raises(tread_fx.SideInputError, match="blocks.1"):
+        model.train()(torch.randn(B, 16, 3))

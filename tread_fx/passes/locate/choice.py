@@ -269,16 +269,24 @@ def choose_stream(
         return _refuse_role_masks(model, info)
     calls = block_calls(traced, list_paths)
     block_nodes = {n for nodes in calls.values() for n in nodes}
-    found: dict[tuple, StreamInfo] = {}
+    located, refusal = [], None
     for i, primary in enumerate(_candidates(traced.gm.graph, calls)):
         try:
-            info = locate(traced, model, list_paths, explicit, keep_prefix, primary, batch_dim)
-        except TreadFxError:
-            if i == 0:  # the shape-matched input's refusal stands
-                raise
-            continue
-        if i == 0 or _hands_on(info, block_nodes):
-            found.setdefault(_key(info), info)
+            located.append(
+                locate(traced, model, list_paths, explicit, keep_prefix, primary, batch_dim)
+            )
+        except TreadFxError as err:
+            refusal = err if i == 0 else refusal
+    # a context attended by the blocks (RDT's image tokens, as long as the prediction) hands
+    # nothing on; the shape-matched input stays a candidate (or its refusal stands) only if
+    # no input does
+    handing = [info for info in located if _hands_on(info, block_nodes)]
+    if not handing and refusal is not None:
+        raise refusal
+    handing = handing or located[:1]
+    found: dict[tuple, StreamInfo] = {}
+    for info in handing:
+        found.setdefault(_key(info), info)
     infos = list(found.values())
     reaching = [info for info in infos if _reaches(info, calls)]
     reaching = _own_streams(reaching, infos[0]) or infos[:1]

@@ -42,7 +42,7 @@ from tread_fx.passes.locate.dataflow import input_slots, tensor_shape
 from tread_fx.passes.locate.stream import BlockCall
 from tread_fx.passes.plan.dim_flow import feature_dims
 from tread_fx.passes.plan.op_kinds import is_elementwise
-from tread_fx.passes.plan.uses import Use, _forward, built_table_uses
+from tread_fx.passes.plan.uses import Use, _forward, built_table_uses, sized_by_count
 from tread_fx.passes.trace.block import (
     example_of,
     is_module_leaf,
@@ -138,7 +138,7 @@ def _tables(block: BlockCall, leaves: list, traced: TracedCall, layout: StreamLa
         if node not in data
         and isinstance(meta := node.meta.get("tread_meta"), TensorMeta)
         and any(u in data for u in node.users)
-        and _token_dims(meta.shape, layout)
+        and (_token_dims(meta.shape, layout) or _counted(node, meta, data, layout))
     ]
     uses = built_table_uses(traced.gm, candidates, stream_at, layout.token_counts)
     for node, use in uses.items():
@@ -153,6 +153,13 @@ def _tables(block: BlockCall, leaves: list, traced: TracedCall, layout: StreamLa
     if unclear:
         warn_at_caller(_padded_table(block, unclear[0]))
     return data, {n: groups for n, groups in cut.items() if n not in unclear}
+
+
+def _counted(node: fx.Node, meta: TensorMeta, data: set[fx.Node], layout: StreamLayout) -> bool:
+    """A table built from the token count with its tokens on its last dim only (``E[:n].T``):
+    a candidate too, so that its use decides (it is refused where that cannot place it)."""
+    tokens = layout.token_counts
+    return any(s in tokens for s in meta.shape) and sized_by_count(node, data, tokens)
 
 
 def _met_feature_dims(table: fx.Node, features: dict[fx.Node, int]) -> set[int]:

@@ -53,6 +53,7 @@ __all__ = [
     "is_torch_op",
     "keeps_values",
     "mixes_tokens",
+    "projects_tokens",
     "pairs_tokens",
     "selector_args",
 ]
@@ -309,3 +310,25 @@ def mixes_tokens(node: fx.Node, mine: list, theirs: list, tokens: set[int]) -> b
     if len(left) < 2 or len(right) < 2:
         return False
     return left[-1] == right[-2] and left[-1] in tokens and left[-2] in tokens
+
+
+def projects_tokens(node: fx.Node, table: fx.Node, tokens: set[int]) -> str | None:
+    """Which side of ``a @ b`` a ``table`` built from the token count sits on when it
+    contracts the other side's token dim (Linformer's ``k^T @ E[:n]`` projecting the tokens):
+    ``"right"`` (its dim -2 holds the tokens), ``"left"`` (its last dim does), else ``None``.
+
+    Example:
+        >>> g = fx.Graph()
+        >>> k, e = g.placeholder("k"), g.placeholder("e")
+        >>> k.meta["tread_meta"] = TensorMeta((2, 8, 16), torch.float32, "cpu")
+        >>> e.meta["tread_meta"] = TensorMeta((16, 4), torch.float32, "cpu")
+        >>> projects_tokens(g.call_function(operator.matmul, (k, e)), e, {16})
+        'right'
+    """
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    if name not in ("matmul", "bmm", "__matmul__") or len(node.args) < 2:
+        return None
+    left, right = tensor_shape(node.args[0]), tensor_shape(node.args[1])
+    if not left or not right or len(right) < 2 or left[-1] != right[-2] or left[-1] not in tokens:
+        return None
+    return {0: "left", 1: "right"}.get(next((i for i in (1, 0) if node.args[i] is table), -1))

@@ -66,6 +66,7 @@ from tread_fx.passes.plan.op_kinds import (
     keeps_values,
     mixes_tokens,
     pairs_tokens,
+    projects_tokens,
     selector_args,
 )
 from tread_fx.passes.trace.block import example_of, is_tensorish, trace_through
@@ -79,6 +80,7 @@ __all__ = [
     "unseen_count_slots",
     "tagged_example",
     "built_table_uses",
+    "sized_by_count",
     "call_uses",
     "strongest",
     "how_used",
@@ -202,7 +204,9 @@ def _tensor_use(node: fx.Node, reach: set[fx.Node], stream: set[fx.Node], ctx) -
     if name in _MATMUL and mine and theirs:
         added = name == "baddbmm" and node.args[0] in mine  # baddbmm(bias, q, k^T)
         mixed = mixes_tokens(node, mine, theirs, tokens)  # [T, T] @ stream
-        return Use.MASK if added and _is_scores(node, stream) or mixed else Use.CONTEXT
+        if added and _is_scores(node, stream) or mixed:
+            return Use.MASK
+        return _projection_use(node, mine, stream, tokens)
     if is_elementwise(node) and mine and theirs:
         if any(_is_scores(t, stream) for t in theirs):
             return Use.MASK
@@ -222,6 +226,41 @@ def _tensor_use(node: fx.Node, reach: set[fx.Node], stream: set[fx.Node], ctx) -
     if mine and theirs and not is_elementwise(node):
         return Use.UNKNOWN  # an op tread_fx cannot see into meets it and the stream
     return None
+
+
+def _projection_use(node: fx.Node, mine: list, stream: set[fx.Node], tokens: set[int]) -> Use:
+    """A product with the stream: a table built from the token count that contracts the
+    tokens (Linformer's ``k^T @ E[:n]``) is cut on its token rows (``table``); one holding them
+    on its last dim cannot be told from features (``unknown``); anything else is ``context``."""
+    for table in mine:
+        side = projects_tokens(node, table, tokens)
+        if side is not None and sized_by_count(table, stream, tokens):
+            return Use.TABLE if side == "right" else Use.UNKNOWN
+    return Use.CONTEXT
+
+
+def sized_by_count(node: fx.Node, stream: set[fx.Node], tokens: set[int]) -> bool:
+    """Whether ``node`` is built (outside the stream) from a token count read off the stream,
+    such as a slice ``E[:n]`` of a longer table or ``arange(n)``.
+
+    Example:
+        >>> import torch
+        >>> g = fx.Graph()
+        >>> n = g.placeholder("n")
+        >>> n.meta["tread_meta"] = 16
+        >>> sized_by_count(g.call_function(torch.arange, (n,)), set(), {16})
+        True
+    """
+    seen, todo = {node}, [node]
+    while todo:
+        for arg in todo.pop().all_input_nodes:
+            meta = arg.meta.get("tread_meta")
+            if type(meta) is int and meta in tokens:
+                return True
+            if arg not in seen and arg not in stream:
+                seen.add(arg)
+                todo.append(arg)
+    return False
 
 
 def _arg(node: fx.Node, index: int, name: str) -> Any:
