@@ -20,12 +20,19 @@ self-written model compared with a hand-written route:
   the block ran on the kept tokens as one call and took ``E``'s *first* ``k`` rows, silently;
   now ``E[:n]`` is a table built from the count, cut at the kept ids (shared across the
   batch); with ``E`` on the left (``E[:n]^T @ k``, the tokens on its last dim) it is refused.
+- Chroma (lodestone-rock/flow): the forward hands each block a dataclass of modulation tensors
+  it computed (``ModulationOut(shift, scale, gate)``), and the block calls einops. Before, the
+  block run on real values while tracing got the dataclass with traced values in it and einops
+  rejected them; now such a dataclass is one graph call building it from its fields.
 
 (Stream classes from the same population: tests/test_research_streams.py.)
 """
 
 from __future__ import annotations
 
+import dataclasses
+
+import einops
 import pytest
 import torch
 from stand_in_kernels import make_head_scale
@@ -309,3 +316,56 @@ def test_a_projection_holding_the_tokens_on_its_last_dim_is_refused() -> None:
     model = tread_fx.route(Linformer(left=True), routes=[(1, 3)], rate=0.5)
     with pytest.raises(tread_fx.SideInputError, match="blocks.1"):
         model.train()(torch.randn(B, 16, 3))
+
+
+# -- Chroma: a dataclass of modulation tensors handed to each block ---------------------------
+
+
+@dataclasses.dataclass
+class Modulation:
+    shift: torch.Tensor
+    scale: torch.Tensor
+
+
+class ModulatedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.out = nn.Linear(D, 3 * D), nn.Linear(D, D)
+
+    def forward(self, x, mod: Modulation):
+        h = x * (1 + mod.scale) + mod.shift
+        q, k, v = einops.rearrange(self.qkv(h), "b n (k h d) -> k b h n d", k=3, h=2)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return x + self.out(einops.rearrange(a, "b h n d -> b n (h d)"))
+
+
+class HandsDataclasses(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.cond = nn.Linear(3, D), nn.Linear(1, 2 * D * 4)
+        self.blocks = nn.ModuleList(ModulatedBlock() for _ in range(4))
+        self.head = nn.Linear(D, 3)
+
+    def mods(self, t):
+        parts = self.cond(t[:, None, None]).chunk(8, dim=-1)
+        return [Modulation(parts[2 * i], parts[2 * i + 1]) for i in range(4)]
+
+    def forward(self, x, t):
+        x, mods = self.embed(x), self.mods(t)
+        for block, mod in zip(self.blocks, mods):
+            x = block(x, mod)
+        return self.head(x)
+
+
+def test_a_dataclass_of_traced_tensors_handed_to_blocks_is_built_in_the_graph() -> None:
+    torch.manual_seed(0)
+    model, x, t = HandsDataclasses(), torch.randn(B, 16, 3), torch.rand(B)
+    tread_fx.route(model, routes=[(1, 3)], rate=0.5, seed=0)
+    routed = model.train()(x, t)
+    ids = tread_fx.route_info(model)[0].kept
+    with torch.no_grad():
+        mods, h = model.mods(t), model.embed(x)
+        h = model.blocks[0](h, mods[0])
+        kept = model.blocks[2](model.blocks[1](gather_rows(h, ids), mods[1]), mods[2])
+        expected = model.head(model.blocks[3](scatter_rows(h, ids, kept), mods[3]))
+    torch.testing.assert_close(routed.detach(), expected)

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from tread_fx.passes.trace import dataclass_args
 from tread_fx.passes.trace.support import user_frame
 from tread_fx.runtime.guards import GUARD_MARK
 
@@ -62,6 +63,8 @@ def with_grad_flags(tracer: Any, tree: Any) -> Any:
     ``requires_grad`` as in training)."""
 
     def value(a: Any) -> Any:
+        if dataclass_args.is_instance(a):
+            return dataclass_args.map_fields(a, lambda v: fx.node.map_aggregate(v, value))
         if not isinstance(a, fx.Proxy):
             return a
         real = tracer.value_of(a)

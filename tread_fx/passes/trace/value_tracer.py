@@ -23,6 +23,7 @@ from torch.fx.proxy import Attribute
 from torch.utils import _pytree as pytree
 
 from tread_fx.adapters.values import TensorMeta
+from tread_fx.passes.trace import dataclass_args
 from tread_fx.passes.trace.autograd_flags import (
     answer_requires_grad,
     requires_grad_of,
@@ -254,9 +255,12 @@ class ValueTracer(fx.Tracer):
         return self.values[proxy.node]
 
     def _values(self, tree: Any) -> Any:
-        return fx.node.map_aggregate(
-            tree, lambda a: self.value_of(a) if isinstance(a, fx.Proxy) else a
-        )
+        return fx.node.map_aggregate(tree, self._value_of_leaf)
+
+    def _value_of_leaf(self, a: Any) -> Any:
+        if isinstance(a, fx.Proxy):
+            return self.value_of(a)
+        return dataclass_args.map_fields(a, self._values) if dataclass_args.is_instance(a) else a
 
     def concrete(self, proxy: fx.Proxy, what: str) -> Any:
         """Return a proxy's Python value if it is shape-derived; a value read from tensor data
@@ -389,6 +393,9 @@ class ValueTracer(fx.Tracer):
         """Give ``get_attr`` nodes that fx makes for tensor attributes their value and meta; an
         object fx has no argument type for becomes a constant (:func:`store_object_constant`);
         a numpy scalar (``np.sqrt(d)`` kept as an attribute) is the Python number it equals."""
+        if dataclass_args.is_instance(a) and dataclass_args.holds_proxy(a):
+            build = dataclass_args.constructor(type(a))
+            return self.create_proxy("call_function", build, (), dataclass_args.init_fields(a)).node
         try:
             arg = super().create_arg(python_scalar(a))
         except NotImplementedError:
