@@ -7,7 +7,8 @@ block and the model's line, instead of failing inside the first training call.
 - the check draws no random numbers and leaves no fake tensor in a module that caches on
   itself (the route is still compared with a hand-written one);
 - code fake tensors cannot run (``.item()`` in a block) leaves the decision to the first
-  call, which routes it;
+  call, which routes it, or, where the routed graph fails there, names the node and the line
+  as the check does (the graph is run again node by node on the same values);
 - learning-to-cache: a forward that keeps values it computes on the module for a later call
   (``self.reuse_feature[i] = x``) is refused, since a routed graph returns only the outputs
   and would leave them stale; nothing of the trace is left on the module.
@@ -55,6 +56,13 @@ class CachingBlock(nn.Module):
         self.last = x
         scale = 1.0 + 0.0 * x.detach().abs().max().item()
         return x + scale * self.fc(x)
+
+
+class ReadingFixedLengthBlock(FixedLengthBlock):
+    """Reads tensor data (fake tensors cannot) and then needs every token."""
+
+    def forward(self, x):
+        return super().forward(x) * (1.0 + 0.0 * x.detach().abs().max().item())
 
 
 class Stack(nn.Module):
@@ -150,3 +158,11 @@ def test_a_forward_keeping_values_on_the_module_is_refused_and_left_as_it_was() 
         model.train()(_inputs())
     assert model.reuse_feature == [None] * 4
     assert all(block.last is None for block in model.blocks)
+
+
+def test_where_fake_tensors_cannot_tell_the_first_call_names_the_failing_block() -> None:
+    model = tread_fx.route(Stack(ReadingFixedLengthBlock), routes=[(1, 3)], rate=0.5)
+    with pytest.raises(tread_fx.RouteCheckError, match="first call's values") as caught:
+        model.train()(_inputs())
+    assert str(caught.value).startswith("route (1, 3) cannot run: blocks.1 (ReadingFixedLengthB")
+    assert _failing_line() in str(caught.value)

@@ -35,6 +35,7 @@ from tread_fx.module_state import (
     unwrap,
     wrapper_attributes,
 )
+from tread_fx.passes.rewrite.check import refusal_on_real_values
 from tread_fx.passes.rewrite.insert import Reinsert
 from tread_fx.passes.trace.support import dynamo_wrappers_run_original, has_call_hooks
 from tread_fx.passes.trace.tracer import MODEL_PREFIX
@@ -220,6 +221,9 @@ class _RoutingState:
                 raise _TracedValueChanged(str(err).split(GUARD_MARK)[-1]) from err
             if entry.checked:
                 raise
+            refusal = refusal_on_real_values(entry.built, tensors, noises)
+            if refusal is not None:  # the node, the block and the line that fail
+                raise refusal from err
             raise RoutedGraphError(
                 f"the routed graph failed on its first call with {type(err).__name__}; a block "
                 "probably needs the full token count: try selection='rows' or another route.\n"

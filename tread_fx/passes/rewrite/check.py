@@ -57,7 +57,7 @@ class _NodeRunner(fx.Interpreter):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.failed: fx.Node | None = None
-        self.outputs: dict[tuple, Any] = {}
+        self.outputs: dict[tuple, Any] | None = {}  # ``None``: real values, nothing reused
 
     def run_node(self, n: fx.Node) -> Any:
         try:
@@ -68,7 +68,7 @@ class _NodeRunner(fx.Interpreter):
 
     def call_module(self, target: Any, args: tuple, kwargs: dict) -> Any:
         module = self.fetch_attr(target)
-        key = _call_key(module, args, kwargs)
+        key = None if self.outputs is None else _call_key(module, args, kwargs)
         if key is None:
             return super().call_module(target, args, kwargs)
         if key not in self.outputs:
@@ -133,6 +133,22 @@ def check_routed_graph(built: Any, model: nn.Module, args: tuple, kwargs: dict) 
         raise _refusal(built, runner.failed, err) from err
 
 
+def refusal_on_real_values(built: Any, tensors: list, noises: list) -> RouteCheckError | None:
+    """Where the check on fake tensors could not decide, the first real call failed: run the
+    routed graph again node by node on the same values (no gradients, the model's attributes
+    put back) to name the route, the node and the line that fail. ``None`` if it runs."""
+    runner = _NodeRunner(built.traced.wrapper, graph=built.gm.graph)
+    runner.outputs = None
+    try:
+        with attributes_kept(built.traced.wrapper), torch.no_grad(), dynamo_wrappers_run_original():
+            runner.run(*tensors, *noises)
+    except Exception as err:  # noqa: BLE001 - the failure is what is reported
+        refusal = _refusal(built, runner.failed, err, checked="on the first call's values")
+        refusal.__cause__ = err
+        return refusal
+    return None
+
+
 def _plain_forward_fails(model: nn.Module, args: tuple, kwargs: dict) -> bool:
     """Whether the model's own forward fails on fake copies of the call's tensors."""
     try:
@@ -162,7 +178,12 @@ def _quiet_fake_errors() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def _refusal(built: Any, node: fx.Node | None, err: Exception) -> RouteCheckError:
+def _refusal(
+    built: Any,
+    node: fx.Node | None,
+    err: Exception,
+    checked: str = "before the first call on fake tensors (shapes only)",
+) -> RouteCheckError:
     """The refusal: the route the failing node is in, the node, the module and the line."""
     plan = next((p for p in built.plans if node is not None and node in p.region), None)
     route = (
@@ -176,10 +197,10 @@ def _refusal(built: Any, node: fx.Node | None, err: Exception) -> RouteCheckErro
         "route around it.\n"
         f"  {type(err).__name__}: {detail}\n"
         + (f"  model code: {where}\n" if where else "")
-        + "Checked before the first call on fake tensors (shapes only): the original forward "
-        "runs, the routed graph does not. That code needs every token (a fixed reshape or size, "
-        "a table of every position): end the route before it, or use selection='rows' where it "
-        "needs a grid of rows; tread_fx.explain(...) shows the rewritten graph."
+        + f"Checked {checked}: the original forward runs, the routed graph does not. "
+        "That code needs every token (a fixed reshape or size, a table of every position): "
+        "end the route before it, or use selection='rows' where it needs a grid of rows; "
+        "tread_fx.explain(...) shows the rewritten graph."
     )
 
 
