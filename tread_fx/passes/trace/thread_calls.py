@@ -18,7 +18,7 @@ calls. It serves two needs without replacing any name:
 
 - **Type checks**: the frames calling ``isinstance`` (``tracer.type_checks``), so that a
   traced value's ``__class__`` is its tensor's class for ``isinstance`` called by the model's
-  code (:class:`~.value_tracer.ValueProxy`), never for C code checking for a tensor.
+  code (:class:`~.value_proxy.ValueProxy`), never for C code checking for a tensor.
 
 A profile function already set in the thread (a Python one) is called too, and set again
 afterwards.
