@@ -166,3 +166,5 @@ def test_where_fake_tensors_cannot_tell_the_first_call_names_the_failing_block()
         model.train()(_inputs())
     assert str(caught.value).startswith("route (1, 3) cannot run: blocks.1 (ReadingFixedLengthB")
     assert _failing_line() in str(caught.value)
+    with pytest.raises(tread_fx.RouteCheckError, match="blocks.1"):  # explain runs it once
+        tread_fx.explain(Stack(ReadingFixedLengthBlock), [(1, 3)], 0.5, ((_inputs(),), {}))

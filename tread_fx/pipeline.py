@@ -71,6 +71,8 @@ class Built:
     selection: str = "random"
     #: Wall seconds of each stage (tracing, locating, planning, rewriting) of this build.
     stage_seconds: dict[str, float] = field(default_factory=dict)
+    #: Whether the check on fake tensors decided (else the first real call does).
+    checked: bool = False
 
     @property
     def gm(self) -> fx.GraphModule:
@@ -376,7 +378,7 @@ def build(model: nn.Module, args: tuple, kwargs: dict, config: RoutingConfig) ->
     with stage_clock() as seconds, attributes_kept(model):
         built = _build(model, args, kwargs, config)
         with stage("checking", lambda: {"model": model}):
-            check_routed_graph(built, model, args, kwargs)
+            built.checked = check_routed_graph(built, model, args, kwargs)
     built.stage_seconds = dict(seconds)
     return built
 

@@ -54,6 +54,7 @@ from tread_fx.passes.locate.dims import token_major_unit
 from tread_fx.passes.locate.stacks import block_leaf_paths, candidate_stacks
 from tread_fx.passes.locate.stream import BlockCall
 from tread_fx.passes.plan.route_plan import Crossing
+from tread_fx.passes.rewrite.check import refusal_on_real_values
 from tread_fx.passes.rewrite.insert import Reinsert
 from tread_fx.passes.trace.tracer import trace_call
 from tread_fx.pipeline import Built, build
@@ -319,6 +320,9 @@ def explain(
     try:
         say("tracing the routed call and planning the routes (one real forward)")
         built, refusal = _build(model, args, kwargs, config)
+        if not built.checked:
+            say("running the routed graph once (fake tensors could not check it)")
+            _check_on_real_values(built, args, kwargs)
         say("tracing the original graph (one more real forward)")
         leaves = block_leaf_paths(model, built.info.list_paths)
         with recording_specialisations() as records, stage("tracing", lambda: {"model": model}):
@@ -332,6 +336,17 @@ def explain(
     finally:
         for module, mode in modes:
             module.training = mode
+
+
+def _check_on_real_values(built: Built, args: tuple, kwargs: dict) -> None:
+    """Run the routed graph once on the example's values; refuse as the first call would."""
+    flat = pytree.tree_leaves((args, kwargs))
+    tensors = [flat[i] for i in built.traced.tensor_positions]
+    draws = torch.Generator().manual_seed(0)  # the user's random state is left alone
+    noises = [torch.rand(p.layout.batch_size, p.units, generator=draws) for p in built.plans]
+    refusal = refusal_on_real_values(built, tensors, noises)
+    if refusal is not None:
+        raise refusal
 
 
 def _route_guards(built: Built) -> list[Guard]:

@@ -18,6 +18,7 @@ Example:
     >>> args = (torch.randn(2, 1, 8, 8), torch.rand(2), torch.tensor([1, 2]))
     >>> built = build(model, args, {}, resolve_config(model, [(1, 3)], 0.5))
     >>> check_routed_graph(built, model, args, {})  # raises RouteCheckError if it cannot run
+    True
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ def _call_key(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
     return key
 
 
-def check_routed_graph(built: Any, model: nn.Module, args: tuple, kwargs: dict) -> None:
+def check_routed_graph(built: Any, model: nn.Module, args: tuple, kwargs: dict) -> bool:
     """Run ``built``'s routed graph on fake copies of this call's tensors.
 
     Args:
@@ -117,6 +118,10 @@ def check_routed_graph(built: Any, model: nn.Module, args: tuple, kwargs: dict) 
         model: The model (its plain forward decides a failure fake tensors may have caused).
         args: The call's positional arguments.
         kwargs: The call's keyword arguments.
+
+    Returns:
+        Whether the check decided (``False``: fake tensors could not run the model's code,
+        and the first real call decides, :func:`refusal_on_real_values`).
 
     Raises:
         RouteCheckError: the routed graph fails where the model's own forward runs.
@@ -129,8 +134,9 @@ def check_routed_graph(built: Any, model: nn.Module, args: tuple, kwargs: dict) 
         _on_fakes(model, lambda: runner.run(*tensors, *noises))
     except Exception as err:  # noqa: BLE001 - each failure is judged below
         if isinstance(err, _FAKE_LIMITS) or _plain_forward_fails(model, args, kwargs):
-            return  # fake tensors cannot tell: the first real call decides
+            return False  # fake tensors cannot tell: the first real call decides
         raise _refusal(built, runner.failed, err) from err
+    return True
 
 
 def refusal_on_real_values(built: Any, tensors: list, noises: list) -> RouteCheckError | None:
@@ -185,7 +191,7 @@ def _refusal(
     checked: str = "before the first call on fake tensors (shapes only)",
 ) -> RouteCheckError:
     """The refusal: the route the failing node is in, the node, the module and the line."""
-    plan = next((p for p in built.plans if node is not None and node in p.region), None)
+    plan = _plan_of(built, node)
     route = (
         f"route {(plan.route.start, plan.route.end)}" if plan is not None else "the routed graph"
     )
@@ -204,17 +210,44 @@ def _refusal(
     )
 
 
+def _module_path(node: fx.Node | None) -> str | None:
+    """The module a node calls: itself (``call_module``) or checkpointed (its first argument)."""
+    if node is None:
+        return None
+    if node.op == "call_module":
+        return node.target
+    first = node.args[0] if node.args else None
+    if isinstance(first, fx.Node) and first.op == "get_attr":
+        return first.target
+    return None
+
+
+def _plan_of(built: Any, node: fx.Node | None) -> Any:
+    """The route whose region holds ``node``, or whose blocks include the block it calls."""
+    path = (_module_path(node) or "").removeprefix("model.")
+    index = next((b.index for b in built.info.blocks if b.path == path), None)
+    for plan in built.plans:
+        for piece in [plan, *plan.pieces]:
+            if node in piece.region or (
+                index is not None and piece.route.start <= index < piece.route.end
+            ):
+                return plan
+    return None
+
+
 def _describe(gm: fx.GraphModule, node: fx.Node | None) -> str:
     if node is None:
         return "a node"
-    if node.op == "call_module":
-        module = type(gm.get_submodule(node.target)).__name__
-        return f"{shown(node.target.removeprefix('model.'))} ({module}, node {node.name!r})"
+    path = _module_path(node)
+    if path is not None and isinstance(gm.get_submodule(path), nn.Module):
+        module = type(gm.get_submodule(path)).__name__
+        return f"{shown(path.removeprefix('model.'))} ({module}, node {node.name!r})"
     target = getattr(node.target, "__name__", node.target)
     return f"{target} (node {node.name!r})"
 
 
 def _module_line(gm: fx.GraphModule, node: fx.Node) -> str:
-    if node.op == "call_module":
-        return source_line(gm.get_submodule(node.target))
+    path = _module_path(node)
+    if path is not None:
+        return source_line(gm.get_submodule(path))
     return node.meta.get("tread_where", "")
