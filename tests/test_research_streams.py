@@ -12,6 +12,10 @@ route: tests/test_research_classes.py):
   that context was taken for the stream and every position routed, the conditioning tokens
   too (*wrong stream*); now a candidate must hand its tokens from block to block, so the noisy
   input is routed with the two conditioning tokens always kept.
+- BESO: states and noisy actions interleaved into one stream (``stack([s, a], 1)`` then a
+  reshape: ``[s_1, a_1, s_2, a_2, ...]``). Before, every position after the prefix was
+  selectable, the states too (*wrong stream*); now a stream whose selectable positions hold
+  the routed input's tokens only in part is refused, naming where they are.
 """
 
 from __future__ import annotations
@@ -134,3 +138,28 @@ def test_a_context_as_long_as_the_prediction_is_not_taken_for_the_stream() -> No
         h = model.blocks[3](scatter_rows(h, ids, kept), img_c)
         expected = model.head(h)[:, -16:]
     torch.testing.assert_close(routed.detach(), expected)
+
+
+# -- BESO: states and noisy actions interleaved into one stream ------------------------------
+
+
+class InterleavedGPT(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.state_embed, self.action_embed = nn.Linear(3, D), nn.Linear(2, D)
+        self.blocks = nn.ModuleList(CrossBlock() for _ in range(4))
+        self.head = nn.Linear(D, 2)
+
+    def forward(self, states, actions, goal):
+        b, t, _ = states.shape
+        pairs = torch.stack([self.state_embed(states), self.action_embed(actions)], dim=1)
+        x = torch.cat([goal, pairs.permute(0, 2, 1, 3).reshape(b, 2 * t, D)], dim=1)
+        for block in self.blocks:
+            x = block(x, goal)
+        return self.head(x[:, 2::2])  # the action positions
+
+
+def test_a_stream_interleaving_the_noisy_input_with_other_tokens_is_refused() -> None:
+    model = tread_fx.route(InterleavedGPT(), routes=[(1, 3)], rate=0.5)
+    with pytest.raises(tread_fx.TokenStreamError, match=r"(?s)8 of the 16 selectable .*\[2, 4, 6"):
+        model.train()(torch.randn(B, 8, 3), torch.randn(B, 8, 2), torch.randn(B, 1, D))

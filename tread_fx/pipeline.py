@@ -44,7 +44,13 @@ from tread_fx.passes.locate.dims import GRID_ROWS, is_token_major
 from tread_fx.passes.locate.layout import check_no_token_tables_inside, grid_in_block_arguments
 from tread_fx.passes.locate.stacks import block_leaf_paths, resolve_block_lists
 from tread_fx.passes.locate.stream import StreamInfo
-from tread_fx.passes.plan.forms import cut_at_route_ends, form_changes, locate_tokens, needs_split
+from tread_fx.passes.plan.forms import (
+    cut_at_route_ends,
+    form_changes,
+    locate_tokens,
+    needs_split,
+    refuse_interleaved,
+)
 from tread_fx.passes.plan.grid_uses import grid_by_use, grid_uses, inline_kept_grid, needs_inlining
 from tread_fx.passes.plan.inline_tables import InlineBlock, find_token_tables, inline_token_tables
 from tread_fx.passes.plan.route_plan import Crossing, RoutePlan, graph_to_networkx, plan_route
@@ -156,6 +162,7 @@ def _split_routes(traced, info: StreamInfo, routes: list[Route], args, kwargs) -
     """Routes that cross a change of the stream's form, with where their tokens land."""
     g = graph_to_networkx(traced.gm.graph)
     tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+    refuse_interleaved(traced.gm, info, tensors)
     splits = {}
     for i, route in enumerate(routes):
         _refuse_restart(info, route)

@@ -36,6 +36,7 @@ __all__ = [
     "cut_at_route_ends",
     "needs_split",
     "locate_tokens",
+    "refuse_interleaved",
 ]
 
 _BASE = 64  # tag digits stay exact integers in every float dtype (bf16 included)
@@ -247,3 +248,64 @@ def locate_tokens(
         others = torch.stack([torch.nonzero(~row).flatten() for row in taken])
         found.append(FormChange(index, positions, others))
     return found
+
+
+def refuse_interleaved(gm: fx.GraphModule, info: StreamInfo, tensors: list) -> None:
+    """Refuse a stream whose selectable positions are not all the routed input's.
+
+    The input's value is changed (on the example call, the same random draws each time) and
+    the stream entering the first block compared: the positions that change are the input's
+    tokens. Where some selectable positions change and others do not, the stream interleaves
+    the input's tokens with others (BESO's ``[s_1, a_1, s_2, a_2, ...]``: the states between
+    the noisy actions), and a route would select those too. Nothing changing (a zero
+    embedding) or everything changing (a norm over all tokens) tells nothing.
+
+    Raises:
+        TokenStreamError: some selectable positions do not hold the input's tokens.
+    """
+    primary, layout = info.primary, info.layout
+    if primary.op != "placeholder" or layout.batch_dim == -1 or layout.routable <= 0:
+        return
+    target = info.blocks[0].stream_in
+    gen = torch.Generator().manual_seed(7)
+    same, moved = (
+        _value_at(gm, primary, target, tensors, tag)
+        for tag in (lambda v: v, lambda v: _perturbed(v, gen))
+    )
+    if same is None or moved is None or same.shape != moved.shape:
+        return
+    changed = (same != moved).movedim(layout.token_dim, 0).reshape(same.shape[layout.token_dim], -1)
+    selectable = changed.any(1)[layout.prefix : layout.num_tokens - layout.suffix]
+    if selectable.all() or not selectable.any():
+        return
+    held = [layout.prefix + int(i) for i in torch.nonzero(selectable).flatten()[:8]]
+    others = len(selectable) - int(selectable.sum())
+    raise TokenStreamError(
+        f"{others} of the {len(selectable)} selectable positions entering "
+        f"{info.blocks[0].path} hold tokens computed without the routed input; not routed.\n"
+        f"Its tokens are at positions {held}{' ...' if selectable.sum() > 8 else ''}, between "
+        "the others (interleaved, as states between actions), and a route would select those "
+        "too. tread_fx routes one run of positions after a prefix; pass stream= naming another "
+        "input, or keep_prefix= where the others lead the stream."
+    )
+
+
+def _perturbed(value: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    if value.is_floating_point():
+        return value + torch.randn(value.shape, generator=gen, dtype=value.dtype).to(value.device)
+    return torch.where(value > 0, value - 1, value + 1)
+
+
+def _value_at(gm, source: fx.Node, target: fx.Node, tensors: list, tag) -> torch.Tensor | None:
+    """``target``'s value with ``source``'s replaced by ``tag(value)``, the random draws
+    repeated; ``None`` where the graph cannot be run that far."""
+    runner = _Tagging(gm, source, target, tag)
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(0)
+        try:
+            runner.run(*tensors)
+        except _Reached as reached:
+            return reached.value if isinstance(reached.value, torch.Tensor) else None
+        except Exception:  # noqa: BLE001 - code that cannot run twice tells nothing
+            return None
+    return None
