@@ -136,7 +136,7 @@ def _check_results(out: Path, models: list[str], modes: list[str]) -> None:
     first = data["first_call"]
     assert set(first["cpu"]) == {"plain_s", "first_routed_s", "second_routed_s", "overhead_s",
                                  "pipeline_s"}  # fmt: skip
-    assert set(first["stages"]) == {"tracing", "locating", "planning", "rewriting"}
+    assert set(first["stages"]) == {"tracing", "locating", "planning", "rewriting", "checking"}
     assert sum(first["stages"].values()) <= first["wall"]["first_routed_s"]
     assert all(t["met"] in (True, False, None) for t in data["targets"])
     md = out.with_suffix(".md").read_text()

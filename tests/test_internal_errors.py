@@ -124,6 +124,6 @@ def test_each_stage_of_a_build_is_timed_and_a_slow_stage_shows(monkeypatch):
     model = tread_fx.route(Tiny(), [(1, 3)], 0.5)
     model.train()(torch.randn(B, N, 4))
     seconds = tread_fx.routed_graphs(model)[0].stage_seconds
-    assert set(seconds) == {"tracing", "locating", "planning", "rewriting"}
+    assert set(seconds) == {"tracing", "locating", "planning", "rewriting", "checking"}
     assert all(s >= 0 for s in seconds.values())
     assert seconds["planning"] >= 0.2 and max(seconds, key=seconds.get) == "planning"

@@ -310,11 +310,15 @@ def check_call(model: nn.Module, args: tuple, kwargs: dict) -> None:
 
 
 @contextlib.contextmanager
-def attributes_kept(model: nn.Module) -> Iterator[None]:
-    """Put every module's attributes, parameters and buffers back as they were on leaving.
+def attributes_kept(model: nn.Module, only_traced: bool = False) -> Iterator[None]:
+    """Put the modules' attributes, parameters and buffers back as they were on leaving.
 
-    Tracing and checking run the model's code, and a forward that keeps something on itself
-    (a cache, a counter, its last input) would keep a traced proxy or a fake tensor there.
+    Checking and probing run the model's code, and a forward that keeps something on itself
+    (a cache, a counter, its last input, BatchNorm statistics) would keep a fake tensor there
+    or count the probe as a step: everything is put back, buffer values too. Tracing runs it
+    once for real (a change made once, as the first eager call makes it, stays, and the trace
+    follows it); with ``only_traced`` only what holds a traced value afterwards is put back
+    (a proxy a block traced through kept on itself).
 
     Example:
         >>> layer = nn.Linear(2, 2)
@@ -330,17 +334,41 @@ def attributes_kept(model: nn.Module) -> Iterator[None]:
         for value in attributes.values()
         if type(value) in (list, dict)
     ]
+    values = [] if only_traced else [(b, b.detach().clone()) for b in model.buffers()]
     try:
         yield
     finally:
+        keep = _holds_proxy if only_traced else (lambda _value: True)
         for module, attributes, parameters, buffers in saved:
             for live, kept in ((module.__dict__, attributes), (module._parameters, parameters),
                                (module._buffers, buffers)):  # fmt: skip
-                live.clear()
-                live.update(kept)
+                _put_back(live, kept, keep)
         for container, items in held:
-            container.clear()
-            if isinstance(container, list):
-                container.extend(items)
-            else:
-                container.update(items)
+            if keep(container):
+                _put_back_items(container, items)
+        with torch.no_grad():
+            for buffer, value in values:
+                buffer.copy_(value)
+
+
+def _holds_proxy(value: Any) -> bool:
+    items = value.values() if isinstance(value, dict) else value
+    if isinstance(value, (list, tuple, dict)):
+        return any(isinstance(item, torch.fx.Proxy) for item in items)
+    return isinstance(value, torch.fx.Proxy)
+
+
+def _put_back(live: dict, kept: dict, keep: Any) -> None:
+    for name in [n for n in live if n not in kept and keep(live[n])]:
+        del live[name]
+    for name, value in kept.items():
+        if name not in live or (live[name] is not value and keep(live[name])):
+            live[name] = value
+
+
+def _put_back_items(container: Any, items: Any) -> None:
+    container.clear()
+    if isinstance(container, list):
+        container.extend(items)
+    else:
+        container.update(items)

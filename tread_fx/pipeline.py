@@ -382,7 +382,7 @@ def build(model: nn.Module, args: tuple, kwargs: dict, config: RoutingConfig) ->
     Raises:
         RouteCheckError: the routed graph fails on fake tensors where the model runs.
     """
-    with stage_clock() as seconds, attributes_kept(model):
+    with stage_clock() as seconds, attributes_kept(model, only_traced=True):
         built = _build(model, args, kwargs, config)
         with stage("checking", lambda: {"model": model}):
             built.checked = check_routed_graph(built, model, args, kwargs)

@@ -276,6 +276,8 @@ def choose_stream(
                 locate(traced, model, list_paths, explicit, keep_prefix, primary, batch_dim)
             )
         except TreadFxError as err:
+            if i == 0 and not getattr(err, "context_only", False):
+                raise  # the shape-matched input's refusal stands (two stacks it feeds alike)
             refusal = err if i == 0 else refusal
     # a context attended by the blocks (RDT's image tokens, as long as the prediction) hands
     # nothing on; the shape-matched input stays a candidate (or its refusal stands) only if

@@ -246,7 +246,7 @@ def _refuse_latents(block: BlockCall, slots: dict, from_input: list, handed: lis
     if not handed:
         return
     shape = lambda k: list(slots[k].meta["tread_meta"].shape)
-    raise TokenStreamError(
+    refusal = TokenStreamError(
         f"the blocks of {block.list_path!r} carry no token of the model's input (learned "
         "latents?), so there is nothing to route; route a backbone whose blocks carry them.\n"
         "They process values not computed from the input's tokens: "
@@ -258,6 +258,8 @@ def _refuse_latents(block: BlockCall, slots: dict, from_input: list, handed: lis
         "are none here. Route a backbone whose blocks carry the input's tokens, or pass blocks= "
         "naming such a list."
     )
+    refusal.context_only = True  # the input is attended to, not carried: not a stream
+    raise refusal
 
 
 def _slot_name(key: SlotKey) -> str:

@@ -24,6 +24,7 @@ import torch
 import torch.fx as fx
 
 from tread_fx.errors import TokenStreamError
+from tread_fx.module_state import attributes_kept
 from tread_fx.passes.locate.layout import crossing_prefix, stream_tokens
 from tread_fx.passes.locate.stream import StreamInfo
 from tread_fx.passes.trace.tracer import TensorMeta
@@ -300,8 +301,8 @@ def _value_at(gm, source: fx.Node, target: fx.Node, tensors: list, tag) -> torch
     """``target``'s value with ``source``'s replaced by ``tag(value)``, the random draws
     repeated; ``None`` where the graph cannot be run that far."""
     runner = _Tagging(gm, source, target, tag)
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        torch.manual_seed(0)
+    with torch.random.fork_rng(devices=[]), torch.no_grad(), attributes_kept(gm):
+        torch.manual_seed(0)  # BatchNorm statistics and caches are put back afterwards
         try:
             runner.run(*tensors)
         except _Reached as reached:

@@ -78,9 +78,15 @@ class _NodeRunner(fx.Interpreter):
 
 
 def _like(tensor: torch.Tensor) -> torch.Tensor:
-    return torch.empty_strided(
-        tensor.shape, tensor.stride(), dtype=tensor.dtype, device=tensor.device
-    ).requires_grad_(tensor.requires_grad)
+    """A fresh fake of ``tensor``'s shape, strides and dtype, not a leaf where it needs
+    gradients (the model may write into a block's output in place, ``x.add_(pos)``)."""
+    return (
+        tensor.clone()
+        if tensor.requires_grad
+        else torch.empty_strided(
+            tensor.shape, tensor.stride(), dtype=tensor.dtype, device=tensor.device
+        )
+    )
 
 
 def _call_key(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
@@ -126,6 +132,8 @@ def check_routed_graph(built: Any, model: nn.Module, args: tuple, kwargs: dict) 
     Raises:
         RouteCheckError: the routed graph fails where the model's own forward runs.
     """
+    if not _plain_tensors(model):
+        return False  # sharded (DTensor) or quantised weights: fakes cannot stand in for them
     flat = pytree.tree_leaves((args, kwargs))
     tensors = [flat[i] for i in built.traced.tensor_positions]
     noises = [torch.zeros(p.layout.batch_size, p.units) for p in built.plans]
@@ -153,6 +161,12 @@ def refusal_on_real_values(built: Any, tensors: list, noises: list) -> RouteChec
         refusal.__cause__ = err
         return refusal
     return None
+
+
+def _plain_tensors(model: nn.Module) -> bool:
+    """Whether every parameter and buffer is a plain tensor (no tensor subclass)."""
+    plain = (torch.Tensor, nn.Parameter)
+    return all(type(t) in plain for t in [*model.parameters(), *model.buffers()])
 
 
 def _plain_forward_fails(model: nn.Module, args: tuple, kwargs: dict) -> bool:
