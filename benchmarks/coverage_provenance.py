@@ -128,7 +128,8 @@ def stream_mismatch(pristine: nn.Module, routed: nn.Module, call: tuple, noisy: 
 
     Returns:
         ``''`` if the selectable positions are exactly the ones the noisy input reaches at
-        the stack's first block; otherwise the reason (the ``wrong stream`` verdict).
+        the stack's first block, or those and positions no input reaches (a voxel grid's
+        empty cells); otherwise the reason (the ``wrong stream`` verdict).
     """
     built = tread_fx.routed_graphs(routed)[-1]
     info = built.info
@@ -145,10 +146,39 @@ def stream_mismatch(pristine: nn.Module, routed: nn.Module, call: tuple, noisy: 
     selectable = [info.layout.prefix <= i < n - info.layout.suffix for i in range(n)]
     if reached == selectable:
         return ""
+    unreached = [s and not r for s, r in zip(selectable, reached)]
+    if reached == [s and r for s, r in zip(selectable, reached)] and any(reached):
+        others = _positions_of_others(copy.deepcopy(pristine), first, info, call, name)
+        if not any(u and o for u, o in zip(unreached, others)):
+            return ""  # selectable positions no input reaches (empty voxels): no other tokens
     return (
         f"routes positions {spans(selectable)} of the {n}-token stream entering {first.path}, "
         f"but the noisy input {name!r} reaches positions {spans(reached)} there"
     )
+
+
+def _positions_of_others(model: nn.Module, first: Any, info: Any, call: tuple, noisy: Any) -> list:
+    """Per position of the stream entering the first block: does any input other than the
+    noisy one reach it?"""
+    args, kwargs = call
+    gen = torch.Generator().manual_seed(11)
+    keys = [i for i in range(len(args)) if i != noisy] + [k for k in kwargs if k != noisy]
+    moved_args = tuple(_maybe_perturbed(a, gen) if i in keys else a for i, a in enumerate(args))
+    moved_kwargs = {k: _maybe_perturbed(v, gen) if k in keys else v for k, v in kwargs.items()}
+    before = _stream_at(model, first.path, first.in_slot, call)
+    after = _stream_at(model, first.path, first.in_slot, (moved_args, moved_kwargs))
+    dim = info.layout.token_dim
+    changed = (before != after).movedim(dim, 0).reshape(before.shape[dim], -1)
+    return changed.any(dim=1).tolist()
+
+
+def _maybe_perturbed(value: Any, gen: torch.Generator) -> Any:
+    if isinstance(value, torch.Tensor) and value.dtype == torch.bool:
+        return ~value
+    try:
+        return perturbed(value, gen)
+    except TypeError:  # not a tensor: left as it is
+        return value
 
 
 def _sample_changed(value: Any, batch_dim: int, gen: torch.Generator) -> Any:

@@ -65,6 +65,35 @@ def test_a_router_that_routes_the_wrong_stream_scores_wrong_stream():
     assert totals([verdict.to_dict()])["broken"] == 1
 
 
+class _SparseGrid(torch.nn.Module):
+    """Points scattered into a grid of 16 cells, half of them left empty (DiT-3D's voxels):
+    the empty cells are tokens no input reaches, not another input's tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(3, 32)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.TransformerEncoderLayer(32, 2, 64, 0.0, batch_first=True) for _ in range(4)
+        )
+        self.head = torch.nn.Linear(32, 3)
+
+    def forward(self, points, t):
+        cells = torch.zeros(points.shape[0], 16, 3).index_copy(1, torch.arange(0, 16, 2), points)
+        x = self.embed(cells)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x) * (1 + t[:, None, None])
+
+
+def _sparse_grid_inputs() -> tuple[tuple, dict]:
+    gen = torch.Generator().manual_seed(0)
+    return (torch.randn(2, 8, 3, generator=gen), torch.rand(2, generator=gen)), {}
+
+
+def test_grid_cells_no_input_reaches_are_no_wrong_stream():
+    assert judge(Case("sparse-grid", "test", _SparseGrid, _sparse_grid_inputs)).verdict == "routes"
+
+
 def test_the_noisy_input_defaults_to_the_first_argument():
     case = Case("joint", "test", JointInputs, joint_inputs)
     assert judge(case).verdict == "routes"

@@ -138,14 +138,14 @@ class _Reached(Exception):
 
 
 class _Tagging(fx.Interpreter):
-    """Runs the graph with one value replaced, up to (and returning) another value."""
+    """Runs the graph with some values replaced, up to (and returning) another value."""
 
-    def __init__(self, gm: fx.GraphModule, source: fx.Node, target: fx.Node, tag) -> None:
+    def __init__(self, gm: fx.GraphModule, sources: set, target: fx.Node, tag) -> None:
         super().__init__(gm, garbage_collect_values=True)
-        self.source, self.target, self.tag = source, target, tag
+        self.sources, self.target, self.tag = sources, target, tag
 
     def run_node(self, n: fx.Node):
-        value = self.tag(super().run_node(n)) if n is self.source else super().run_node(n)
+        value = self.tag(super().run_node(n)) if n in self.sources else super().run_node(n)
         if n is self.target:
             raise _Reached(value)
         return value
@@ -168,7 +168,7 @@ def _tag(value: torch.Tensor, token_dim: int, sign: float) -> torch.Tensor:
 
 def _read(gm, info: StreamInfo, index: int, tensors: list, sign: float) -> torch.Tensor:
     source, target = info.blocks[index - 1].stream_out, info.blocks[index].stream_in
-    runner = _Tagging(gm, source, target, lambda v: _tag(v, info.layout.token_dim, sign))
+    runner = _Tagging(gm, {source}, target, lambda v: _tag(v, info.layout.token_dim, sign))
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(0)
         try:
@@ -252,55 +252,72 @@ def locate_tokens(
 
 
 def refuse_interleaved(gm: fx.GraphModule, info: StreamInfo, tensors: list) -> None:
-    """Refuse a stream whose selectable positions are not all the routed input's.
+    """Refuse a stream whose selectable positions hold other inputs' tokens.
 
-    The input's value is changed (on the example call, the same random draws each time) and
-    the stream entering the first block compared: the positions that change are the input's
-    tokens. Where some selectable positions change and others do not, the stream interleaves
-    the input's tokens with others (BESO's ``[s_1, a_1, s_2, a_2, ...]``: the states between
-    the noisy actions), and a route would select those too. Nothing changing (a zero
-    embedding) or everything changing (a norm over all tokens) tells nothing.
+    On the example call (the same random draws each time) the routed input is changed, then
+    the other inputs are: the positions of the first block's stream that change with the
+    routed input are its tokens, those that change only with the others are theirs. Where
+    some selectable positions are theirs, the stream interleaves them (BESO's
+    ``[s_1, a_1, s_2, a_2, ...]``: the states between the noisy actions), and a route would
+    select those too. Positions no input reaches (empty voxels, padding) decide nothing.
 
     Raises:
-        TokenStreamError: some selectable positions do not hold the input's tokens.
+        TokenStreamError: some selectable positions hold other inputs' tokens.
     """
     primary, layout = info.primary, info.layout
     if primary.op != "placeholder" or layout.batch_dim == -1 or layout.routable <= 0:
         return
-    target = info.blocks[0].stream_in
+    others = {n for n in gm.graph.find_nodes(op="placeholder") if n is not primary}
     gen = torch.Generator().manual_seed(7)
-    same, moved = (
-        _value_at(gm, primary, target, tensors, tag)
-        for tag in (lambda v: v, lambda v: _perturbed(v, gen))
+    same, mine, theirs = (
+        _positions_at(gm, info, sources, tensors, tag)
+        for sources, tag in (
+            ({primary}, lambda v: v),
+            ({primary}, lambda v: _perturbed(v, gen)),
+            (others, lambda v: _perturbed(v, gen) if isinstance(v, torch.Tensor) else v),
+        )
     )
-    if same is None or moved is None or same.shape != moved.shape:
+    if same is None or mine is None or theirs is None:
         return
-    changed = (same != moved).movedim(layout.token_dim, 0).reshape(same.shape[layout.token_dim], -1)
-    selectable = changed.any(1)[layout.prefix : layout.num_tokens - layout.suffix]
-    if selectable.all() or not selectable.any():
-        return
-    held = [layout.prefix + int(i) for i in torch.nonzero(selectable).flatten()[:8]]
-    others = len(selectable) - int(selectable.sum())
+    lo, hi = layout.prefix, layout.num_tokens - layout.suffix
+    held = (same != mine).any(1)
+    foreign = ((same != theirs).any(1) & ~held)[lo:hi]
+    held = held[lo:hi]
+    if not held.any() or not foreign.any():
+        return  # positions no input reaches (empty voxels, padding) decide nothing
+    at = [lo + int(i) for i in torch.nonzero(held).flatten()[:8]]
     raise TokenStreamError(
-        f"{others} of the {len(selectable)} selectable positions entering "
-        f"{info.blocks[0].path} hold tokens computed without the routed input; not routed.\n"
-        f"Its tokens are at positions {held}{' ...' if selectable.sum() > 8 else ''}, between "
-        "the others (interleaved, as states between actions), and a route would select those "
-        "too. tread_fx routes one run of positions after a prefix; pass stream= naming another "
-        "input, or keep_prefix= where the others lead the stream."
+        f"{int(foreign.sum())} of the {hi - lo} selectable positions entering "
+        f"{info.blocks[0].path} hold other inputs' tokens, not the routed input's; not routed.\n"
+        f"The routed input's tokens are at positions {at}{' ...' if held.sum() > 8 else ''}, "
+        "between the others (interleaved, as states between actions), and a route would "
+        "select those too. tread_fx routes one run of positions after a prefix; pass "
+        "stream= naming another input, or keep_prefix= where the others lead the stream."
     )
+
+
+def _positions_at(gm, info: StreamInfo, sources: set, tensors: list, tag) -> torch.Tensor | None:
+    """Per position of the stream entering the first block, its values (flattened) with
+    ``sources`` replaced by ``tag(value)``; ``None`` where the graph cannot be run that far."""
+    value = _value_at(gm, sources, info.blocks[0].stream_in, tensors, tag)
+    if value is None:
+        return None
+    dim = info.layout.token_dim
+    return value.movedim(dim, 0).reshape(value.shape[dim], -1)
 
 
 def _perturbed(value: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    if value.dtype == torch.bool:
+        return ~value
     if value.is_floating_point():
         return value + torch.randn(value.shape, generator=gen, dtype=value.dtype).to(value.device)
     return torch.where(value > 0, value - 1, value + 1)
 
 
-def _value_at(gm, source: fx.Node, target: fx.Node, tensors: list, tag) -> torch.Tensor | None:
-    """``target``'s value with ``source``'s replaced by ``tag(value)``, the random draws
+def _value_at(gm, sources: set, target: fx.Node, tensors: list, tag) -> torch.Tensor | None:
+    """``target``'s value with ``sources``' replaced by ``tag(value)``, the random draws
     repeated; ``None`` where the graph cannot be run that far."""
-    runner = _Tagging(gm, source, target, tag)
+    runner = _Tagging(gm, sources, target, tag)
     with torch.random.fork_rng(devices=[]), torch.no_grad(), attributes_kept(gm):
         torch.manual_seed(0)  # BatchNorm statistics and caches are put back afterwards
         try:
