@@ -168,13 +168,14 @@ def _candidates(graph: fx.Graph, calls: dict) -> list[fx.Node]:
     return [first, *(n for n in inputs if n is not first)]
 
 
-def _hands_on(info: StreamInfo, block_nodes: set[fx.Node]) -> bool:
+def _hands_on(info: StreamInfo, block_nodes: set[fx.Node], shape_matched: bool = False) -> bool:
     """The candidate's stream is fed by its input directly (not only through other blocks, as
-    position ids feeding every block's RoPE table) and handed from block to block."""
+    position ids feeding every block's RoPE table) and handed from block to block; for the
+    input shaped like the prediction, only the first (it is no context the blocks attend)."""
     first = info.blocks[0]
     if not fed_by(first.stream_in, info.primary, block_nodes):
         return False
-    return info.depth < 2 or fed_by(info.blocks[1].stream_in, first.node)
+    return shape_matched or info.depth < 2 or fed_by(info.blocks[1].stream_in, first.node)
 
 
 def _block_steps(info: StreamInfo, calls: dict) -> dict:
@@ -269,12 +270,13 @@ def choose_stream(
         return _refuse_role_masks(model, info)
     calls = block_calls(traced, list_paths)
     block_nodes = {n for nodes in calls.values() for n in nodes}
-    located, refusal = [], None
+    located, refusal, first = [], None, None
     for i, primary in enumerate(_candidates(traced.gm.graph, calls)):
         try:
             located.append(
                 locate(traced, model, list_paths, explicit, keep_prefix, primary, batch_dim)
             )
+            first = located[-1] if i == 0 else first
         except TreadFxError as err:
             if i == 0 and not getattr(err, "context_only", False):
                 raise  # the shape-matched input's refusal stands (two stacks it feeds alike)
@@ -282,7 +284,7 @@ def choose_stream(
     # a context attended by the blocks (RDT's image tokens, as long as the prediction) hands
     # nothing on; the shape-matched input stays a candidate (or its refusal stands) only if
     # no input does
-    handing = [info for info in located if _hands_on(info, block_nodes)]
+    handing = [info for info in located if _hands_on(info, block_nodes, info is first)]
     if not handing and refusal is not None:
         raise refusal
     handing = handing or located[:1]
