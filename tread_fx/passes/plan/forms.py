@@ -268,6 +268,8 @@ def refuse_interleaved(gm: fx.GraphModule, info: StreamInfo, tensors: list) -> N
     if primary.op != "placeholder" or layout.batch_dim == -1 or layout.routable <= 0:
         return
     others = {n for n in gm.graph.find_nodes(op="placeholder") if n is not primary}
+    if not others:
+        return  # no other input whose tokens could sit between the routed input's
     gen = torch.Generator().manual_seed(7)
     same, mine, theirs = (
         _positions_at(gm, info, sources, tensors, tag)

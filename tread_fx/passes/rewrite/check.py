@@ -55,10 +55,10 @@ class _NodeRunner(fx.Interpreter):
     """Runs the graph node by node, remembers the node that raised, and runs a module once
     per class, configuration and input shapes (the blocks of a stack: one fake run each)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, built: Any, reuse: bool = True) -> None:
+        super().__init__(built.traced.wrapper, graph=built.gm.graph)
         self.failed: fx.Node | None = None
-        self.outputs: dict[tuple, Any] | None = {}  # ``None``: real values, nothing reused
+        self.outputs: dict[tuple, Any] | None = {} if reuse else None  # real values: no reuse
 
     def run_node(self, n: fx.Node) -> Any:
         try:
@@ -137,7 +137,7 @@ def check_routed_graph(built: Any, model: nn.Module, args: tuple, kwargs: dict) 
     flat = pytree.tree_leaves((args, kwargs))
     tensors = [flat[i] for i in built.traced.tensor_positions]
     noises = [torch.zeros(p.layout.batch_size, p.units) for p in built.plans]
-    runner = _NodeRunner(built.traced.wrapper, graph=built.gm.graph)
+    runner = _NodeRunner(built)
     try:
         _on_fakes(model, lambda: runner.run(*tensors, *noises))
     except Exception as err:  # noqa: BLE001 - each failure is judged below
@@ -151,8 +151,7 @@ def refusal_on_real_values(built: Any, tensors: list, noises: list) -> RouteChec
     """Where the check on fake tensors could not decide, the first real call failed: run the
     routed graph again node by node on the same values (no gradients, the model's attributes
     put back) to name the route, the node and the line that fail. ``None`` if it runs."""
-    runner = _NodeRunner(built.traced.wrapper, graph=built.gm.graph)
-    runner.outputs = None
+    runner = _NodeRunner(built, reuse=False)
     try:
         with attributes_kept(built.traced.wrapper), torch.no_grad(), dynamo_wrappers_run_original():
             runner.run(*tensors, *noises)
