@@ -44,6 +44,7 @@ from tread_fx.passes.locate.dims import GRID_ROWS, is_token_major
 from tread_fx.passes.locate.layout import check_no_token_tables_inside, grid_in_block_arguments
 from tread_fx.passes.locate.stacks import block_leaf_paths, resolve_block_lists
 from tread_fx.passes.locate.stream import StreamInfo
+from tread_fx.passes.plan.crossings import Crossing
 from tread_fx.passes.plan.forms import (
     cut_at_route_ends,
     form_changes,
@@ -53,7 +54,7 @@ from tread_fx.passes.plan.forms import (
 )
 from tread_fx.passes.plan.grid_uses import grid_by_use, grid_uses, inline_kept_grid, needs_inlining
 from tread_fx.passes.plan.inline_tables import InlineBlock, find_token_tables, inline_token_tables
-from tread_fx.passes.plan.route_plan import Crossing, RoutePlan, graph_to_networkx, plan_route
+from tread_fx.passes.plan.route_plan import RoutePlan, graph_to_networkx, plan_route
 from tread_fx.passes.rewrite.check import check_routed_graph
 from tread_fx.passes.rewrite.insert import append_route_outputs, rewrite_route
 from tread_fx.passes.trace.block import drop_examples

@@ -53,7 +53,7 @@ from tread_fx.passes.locate.dataflow import argument_name, input_slots
 from tread_fx.passes.locate.dims import token_major_unit
 from tread_fx.passes.locate.stacks import block_leaf_paths, candidate_stacks
 from tread_fx.passes.locate.stream import BlockCall
-from tread_fx.passes.plan.route_plan import Crossing
+from tread_fx.passes.plan.crossings import Crossing
 from tread_fx.passes.rewrite.check import refusal_on_real_values
 from tread_fx.passes.rewrite.insert import Reinsert
 from tread_fx.passes.trace.tracer import trace_call

@@ -20,17 +20,15 @@ from typing import Any
 import networkx as nx
 import torch.fx as fx
 
-from tread_fx.adapters import SideValue, StreamLayout, adapters
+from tread_fx.adapters import StreamLayout
 from tread_fx.adapters.values import NO_BATCH_DIM
 from tread_fx.errors import (
     InvalidRateError,
     SelectionError,
-    SideInputError,
     TokenStreamError,
     UntraceableModelError,
-    warn_at_caller,
 )
-from tread_fx.passes.locate.dataflow import argument_name, fed_by, input_slots, output_slots
+from tread_fx.passes.locate.dataflow import argument_name, fed_by, output_slots
 from tread_fx.passes.locate.dims import check_packed_strategy, segment_boundaries
 from tread_fx.passes.locate.layout import (
     check_no_token_tables_inside,
@@ -45,55 +43,29 @@ from tread_fx.passes.locate.layout import (
     stream_prefix,
 )
 from tread_fx.passes.locate.stream import BlockCall, StreamInfo
+from tread_fx.passes.plan.crossings import (
+    Crossing,
+    entering_values,
+    in_order,
+    leaving_values,
+    module_of,
+)
 from tread_fx.passes.plan.grid_uses import grid_uses, height_slots
 from tread_fx.passes.plan.handoff import (
-    carried_counterparts,
     check_empty_start,
     check_handed_layouts,
 )
 from tread_fx.passes.plan.region_uses import (
     count_arguments,
-    in_stream_layout,
     route_uses,
-    side_value,
     sizes_tokens,
 )
-from tread_fx.passes.plan.uses import how_used, op_name, partial_warning, shape_warning
+from tread_fx.passes.plan.uses import op_name
 from tread_fx.passes.trace.tracer import LEAF_REASON_KEY, TensorMeta
 from tread_fx.routes import Route
 from tread_fx.runtime.selection import Strategy, kept_units
 
-__all__ = ["Crossing", "RoutePlan", "plan_route", "graph_to_networkx"]
-
-
-@dataclass
-class Crossing:
-    """A value crossing the region boundary and what the rewrite does with it.
-
-    Attributes:
-        node: The value.
-        action: ``"gather"``, ``"pass"``, ``"scatter"`` or an adapter function.
-        reason: The rule that decided (shown by ``explain``).
-        users: For entering values, the region nodes using it; for leaving values, the
-            nodes after the region using it.
-        counterpart: For scattered values, the full-size value at the route start.
-        options: Extra keyword arguments of an adapter function (decided at plan time).
-        shares_selection: The adapter needs the route's selection shared across the batch.
-        prefix_shift: For the scattered token stream of a route that crosses a concatenation
-            of other tokens in front of it: their count (they leave processed, never routed).
-        segments: The value holds a packed stream's segment boundaries (``"offsets"`` or
-            ``"ids"``), as the rule that decided says.
-    """
-
-    node: fx.Node
-    action: Any
-    reason: str
-    users: list[fx.Node] = field(default_factory=list)
-    counterpart: fx.Node | None = None
-    options: dict[str, Any] = field(default_factory=dict)
-    shares_selection: bool = False
-    segments: str | None = None
-    prefix_shift: int = 0  # scattered stream: tokens concatenated in front inside the route
+__all__ = ["RoutePlan", "plan_route", "graph_to_networkx"]
 
 
 @dataclass
@@ -130,18 +102,6 @@ def graph_to_networkx(graph: fx.Graph) -> nx.DiGraph:
     return g
 
 
-def _looks_token_aligned(side: SideValue) -> bool:
-    """Any dim (but a batch dim of size B) has N, N - prefix or the routable count of
-    entries, e.g. a [N, d] table."""
-    layout = side.stream
-    return any(
-        s in layout.token_counts and not (d == layout.batch_dim and s == layout.batch_size)
-        for m in _items(side.meta)
-        if isinstance(m, TensorMeta)
-        for d, s in enumerate(m.shape)
-    )
-
-
 def _region(g: nx.DiGraph, info: StreamInfo, route: Route) -> tuple[set, fx.Node, fx.Node]:
     start = info.blocks[route.start]
     stream_start = stream_entering(start)
@@ -175,7 +135,7 @@ def refuse_opaque_calls_on_stream(region: set, info: StreamInfo, route: Route, s
     A block kept whole is no such call (blocks run on the kept tokens by design); a function
     registered with ``tread_fx.register_leaf_function`` is the user's word that it does."""
     blocks = {b.node for b in info.blocks}
-    for node in _in_order(region):
+    for node in in_order(region):
         reason = node.meta.get(LEAF_REASON_KEY)
         if reason is None or node in blocks or not fed_by(node, stream):
             continue
@@ -186,154 +146,6 @@ def refuse_opaque_calls_on_stream(region: set, info: StreamInfo, route: Route, s
             "it with tread_fx.register_leaf_function (a function) or "
             "tread_fx.register_leaf_module (a module class)."
         )
-
-
-def _classify_entering(side: SideValue, users, carried_slot, family, strict: bool) -> Crossing:
-    node = side.node
-    if carried_slot is not None:
-        if carried_slot in family:
-            return Crossing(node, "gather", f"carried token stream {carried_slot}", users)
-        return Crossing(node, "pass", f"carried non-token stream {carried_slot}", users)
-    for adapter in adapters():
-        if adapter.matches(side):
-            options = adapter.options(side) if adapter.options is not None else {}
-            reason = f"adapter '{adapter.name}'"
-            if adapter.builtin and adapter.by_shape_only:
-                reason += " (by its shape: its use is not seen)"
-                warn_at_caller(shape_warning(side, adapter.name))
-            elif side.stopped and side.use is not None:
-                reason += " (its use read from blocks traced in part)"
-                warn_at_caller(partial_warning(side, adapter.name))
-            shares, segments = adapter.shares_selection, adapter.segments
-            return Crossing(node, adapter.action, reason, users, None, options, shares, segments)
-    notes = [f"{a.name}: {n}" for a in adapters() if a.diagnose and (n := a.diagnose(side))]
-    if side.token_aligned or _looks_token_aligned(side) or notes:
-        shape = getattr(side.meta, "shape", side.meta)
-        message = (
-            f"value '{node.name}' with shape {shape} enters the routed blocks "
-            f"{sorted(side.arg_names) or '(used inside the region)'} and looks token-aligned "
-            f"({side.stream.num_tokens} tokens), but no rule says how to fit it to the kept "
-            "tokens. Register a tread_fx.adapters.Adapter for it (action 'gather' or 'pass'), "
-            "or pass strict=False to gather token-aligned values and pass the rest."
-        ) + how_used(side)
-        if notes:
-            message += " Rules meant for it declined: " + "; ".join(notes) + "."
-        if strict:
-            raise SideInputError(message)
-        warn_at_caller(message)
-        action = "gather" if side.token_aligned else "pass"
-        return Crossing(node, action, "non-strict guess", users)
-    return Crossing(node, "pass", "not token-aligned", users)
-
-
-def _entering(g, plan_args, region, info, layout, strict) -> list[Crossing]:
-    start, stream_start, uses = plan_args
-    # the block calls, and the module calls inside the routed blocks (they receive values too)
-    block_nodes = {n: _module_of(n) for n in (*(b.node for b in info.blocks), *uses)}
-    start_slots = {n: k for k, n in input_slots(start.node).items()}
-    family = family_slots(g, info, start)
-    carried = set(info.carried.get(start.list_path, {}).values())
-    crossings, seen = [], {}
-    for node in _in_order(region):
-        for arg in node.all_input_nodes:
-            if arg not in region:
-                seen.setdefault(arg, []).append(node)
-    for value, users in seen.items():
-        if value is stream_start:
-            crossings.append(Crossing(value, "gather", "token stream", users))
-            continue
-        slot = start_slots.get(value)
-        side = side_value(g, value, users, region, (info, layout, stream_start, block_nodes, uses))
-        carried_slot = slot if slot in carried and start.node in users else None
-        crossings.append(_classify_entering(side, users, carried_slot, family, strict))
-    return crossings
-
-
-def _leaving(region, info, route, stream, entering, layout, carried=(frozenset(), set())) -> list:
-    """What leaves the region; ``carried``: (values handed on at the end that are no token
-    stream, the start list's carried token slots)."""
-    (stream_start, stream_end), (non_token, family) = stream, carried
-    gathered = {c.node for c in entering if c.action != "pass"}
-    counterparts = carried_counterparts(info, route)
-    crossings = []
-    for node in _in_order(region):
-        outside = [u for u in node.users if u not in region and (u.users or u.op == "output")]
-        if not outside:  # dead unpacking (RWKV's unused `attentions` item) is not a use
-            continue
-        meta = node.meta.get("tread_meta")
-        if node is stream_end:
-            action, reason, counterpart = "scatter", "token stream", stream_start
-        elif node in counterparts and (
-            counterparts[node][1] in gathered
-            or (counterparts[node][1] is None and counterparts[node][0] in family)
-        ):  # a carried token slot: into its value at the start (none there: zeros)
-            slot, counterpart = counterparts[node]
-            reason = "carried token stream" + (
-                ", zeros at the start" if counterpart is None else ""
-            )
-            options = {"slot": slot, "empty": counterpart is None}
-            crossings.append(Crossing(node, "scatter", reason, outside, counterpart, options))
-            continue
-        elif node in non_token:
-            action, reason, counterpart = "pass", "carried non-token stream", None
-        elif (
-            node in counterparts
-            and counterparts[node][0] is None
-            and in_stream_layout(meta, layout)
-        ):
-            raise _no_counterpart(node, route, info)
-        elif in_stream_layout(meta, layout) and meta == stream_start.meta.get("tread_meta"):
-            action, reason, counterpart = "scatter", "stream-shaped value", stream_start
-        elif any(in_stream_layout(m, layout) for m in _items(meta)):
-            users = ", ".join(u.name for u in outside)
-            raise SideInputError(
-                f"route ({route.start}, {route.end}) splits value '{node.name}', made on the "
-                "kept tokens inside it and used after it; end the route before or after it.\n"
-                f"The value has shape {_shape_text(meta)} and is used after the route by "
-                f"{users}, but it has no counterpart at the route start to scatter into. Choose "
-                "a route that does not split it (end the route before it is produced or after "
-                "it is consumed), or pass blocks= to exclude that code."
-            )
-        else:
-            action, reason, counterpart = "pass", "not token-aligned", None
-        crossings.append(Crossing(node, action, reason, outside, counterpart))
-    return crossings
-
-
-def _no_counterpart(node: fx.Node, route: Route, info: StreamInfo) -> TokenStreamError:
-    """The route ends where the blocks are handed, besides the stream, a token-aligned value
-    that continues none of the start block's slots (code between the lists computes it from
-    several of them)."""
-    start, end = info.blocks[route.start], info.blocks[min(route.end, info.depth - 1)]
-    return TokenStreamError(
-        f"route ({route.start}, {route.end}) ends where the blocks of {end.list_path!r} are "
-        f"handed '{node.name}' besides the token stream, laid out like it, but it is not "
-        f"handed on from a slot of block {start.path} (code between the lists computes it), "
-        "so the routed-around tokens have no value of it at the route start to re-enter "
-        f"with. End the route in {start.list_path!r}, or start it in {end.list_path!r}."
-    )
-
-
-def _shape_text(meta: Any) -> Any:
-    """A value's shape for messages; a tuple's item shapes (``((2, 65, 32), (2, 17, 64))``)."""
-    if isinstance(meta, (tuple, list)):
-        return tuple(getattr(m, "shape", m) for m in meta)
-    return getattr(meta, "shape", meta)
-
-
-def _items(meta: Any) -> tuple:
-    """A value's metadata, or its items' for a tuple of values."""
-    return tuple(meta) if isinstance(meta, (tuple, list)) else (meta,)
-
-
-def _module_of(node: fx.Node) -> Any:
-    gm = node.graph.owning_module
-    return gm.get_submodule(node.target) if gm is not None else None
-
-
-def _in_order(region: set[fx.Node]) -> list[fx.Node]:
-    """The region's nodes in graph order."""
-    return [n for n in next(iter(region)).graph.nodes if n in region]
 
 
 def _height_arguments(gm, info, route, layout: StreamLayout, strategy: Strategy, uses) -> list:
@@ -407,7 +219,7 @@ def plan_route(
         check_packed_strategy(strategy.name, strategy.needs_grid)
     kept_tokens = layout.prefix + keep * (layout.routable // units) + layout.suffix
     passed = {c.node for c in entering if c.action == "pass"}
-    name = lambda block, slot: argument_name(_module_of(block.node), slot)  # noqa: E731
+    name = lambda block, slot: argument_name(module_of(block.node), slot)  # noqa: E731
     counts = count_arguments(info, route, layout, kept_tokens, passed, name, set(heights), uses)
     shared = any(c.shares_selection for c in entering)
     return RoutePlan(
@@ -442,11 +254,11 @@ def _boundary(gm, g, info: StreamInfo, route: Route, strict: bool, grid=None, pi
         first, batch_size=batch, num_tokens=tokens, prefix=prefix, grid=grid, suffix=suffix
     )
     uses = route_uses(gm, info, route, region, layout)
-    entering = _entering(g, (start, stream_start, uses), region, info, layout, strict)
+    entering = entering_values(g, (start, stream_start, uses), region, info, layout, strict)
     check_handed_layouts(g, info, route)
     carried = non_token_carried(g, info, route), family_slots(g, info, start)
     stream = (stream_start, stream_end)
-    leaving = _leaving(region, info, route, stream, entering, layout, carried)
+    leaving = leaving_values(region, info, route, stream, entering, layout, carried)
     for crossing in leaving:  # a carried token slot the start block was handed nothing in
         if crossing.options.get("empty"):
             like = crossing.node.meta["tread_meta"]

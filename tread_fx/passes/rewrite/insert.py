@@ -19,7 +19,8 @@ import torch.fx as fx
 from torch.utils.checkpoint import checkpoint
 
 from tread_fx.adapters.token_tables import share_across_batch
-from tread_fx.passes.plan.route_plan import Crossing, RoutePlan
+from tread_fx.passes.plan.crossings import Crossing
+from tread_fx.passes.plan.route_plan import RoutePlan
 from tread_fx.passes.trace.tracer import TensorMeta
 from tread_fx.runtime.ops import (
     blend_tokens,
