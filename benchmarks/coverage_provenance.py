@@ -63,8 +63,14 @@ def _with_noisy(args: tuple, kwargs: dict, noisy: str | int) -> tuple[tuple, dic
     return args, kwargs
 
 
-def _slot_value(args: tuple, kwargs: dict, slot: tuple) -> Any:
-    value = args[slot[1]] if slot[0] == "arg" else kwargs[slot[1]]
+def _slot_value(module: nn.Module, args: tuple, kwargs: dict, slot: tuple) -> Any:
+    """The value in ``slot`` of a call of ``module``, however this call passes it: a block
+    called positionally in training (through a checkpoint) may get keywords in eval mode."""
+    if slot[0] == "arg" and len(args) <= slot[1]:
+        bound = inspect.signature(module.forward).bind(*args, **kwargs)
+        value = list(bound.arguments.values())[slot[1]]
+    else:
+        value = args[slot[1]] if slot[0] == "arg" else kwargs[slot[1]]
     for index in slot[2:]:
         value = value[index]
     return value
@@ -74,9 +80,9 @@ def _stream_at(model: nn.Module, path: str, slot: tuple, call: tuple[tuple, dict
     """The value in ``slot`` of the first call of block ``path`` (unrouted, eval mode)."""
     seen: list[torch.Tensor] = []
 
-    def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not seen:
-            seen.append(_slot_value(args, kwargs, slot).detach().clone())
+            seen.append(_slot_value(module, args, kwargs, slot).detach().clone())
 
     handle = model.get_submodule(path).register_forward_pre_hook(hook, with_kwargs=True)
     try:

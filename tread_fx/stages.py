@@ -26,6 +26,7 @@ import contextlib
 import contextvars
 import inspect
 import os
+import site
 import sysconfig
 import time
 import traceback
@@ -37,7 +38,15 @@ from torch import nn
 
 from tread_fx.errors import TreadFxError, TreadFxInternalError
 
-__all__ = ["stage", "stage_clock", "raised_by_tread_fx", "source_line", "model_frame", "own_file"]
+__all__ = [
+    "stage",
+    "stage_clock",
+    "raised_by_tread_fx",
+    "source_line",
+    "model_frame",
+    "own_file",
+    "written_by_user",
+]
 
 _OWN = os.path.dirname(os.path.abspath(__file__)) + os.sep
 # the reference backbones live in the package but are model code, like anyone's
@@ -45,6 +54,15 @@ _MODELS = os.path.join(_OWN, "models") + os.sep
 _NEUTRAL = (
     os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
     os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep,
+)
+# where installed packages live: code there is a library's, whoever imports it
+_INSTALLED = tuple(
+    os.path.abspath(p) + os.sep
+    for p in {
+        *site.getsitepackages(),
+        site.getusersitepackages(),
+        *(sysconfig.get_paths()[k] for k in ("purelib", "platlib", "stdlib", "platstdlib")),
+    }
 )
 _CLOCK: contextvars.ContextVar[dict[str, float] | None] = contextvars.ContextVar(
     "tread_fx_stage_clock", default=None
@@ -55,6 +73,18 @@ def own_file(path: str) -> bool:
     """Whether ``path`` is tread_fx's own code (its package, less the reference models)."""
     path = os.path.abspath(path)
     return path.startswith(_OWN) and not path.startswith(_MODELS)
+
+
+def written_by_user(path: str) -> bool:
+    """Whether ``path`` is a source file of code someone runs from where they keep it (a model's
+    repository, a script, a test), not an installed package, the standard library or tread_fx.
+
+    Example:
+        >>> written_by_user(os.__file__), written_by_user("<string>")
+        (False, False)
+    """
+    path = os.path.abspath(path)
+    return os.path.isfile(path) and not own_file(path) and not path.startswith(_INSTALLED)
 
 
 def raised_by_tread_fx(err: BaseException) -> bool:

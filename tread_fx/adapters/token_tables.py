@@ -137,8 +137,9 @@ def find_rows(
         return RowMap(tuple(direct), skip=sizes[shape[direct[0]]])
     for dim in dims:  # more rows than tokens: tied to the stream by what built them
         parts = _split_parts(side, shape[dim], n) if shape[dim] > n else None
-        if parts is not None:
-            return RowMap((dim,), lead=parts[0], trail=parts[1])
+        if parts is not None:  # a mask's query and key dims both, when it has them
+            same = tuple(d for d in dims if shape[d] == shape[dim]) if all_dims else (dim,)
+            return RowMap(same, lead=parts[0], trail=parts[1])
     return None
 
 

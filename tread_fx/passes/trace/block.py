@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import operator
 import weakref
@@ -23,6 +24,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from tread_fx.adapters.values import TensorMeta
+from tread_fx.passes.trace import dataclass_args
 from tread_fx.passes.trace.support import failure_reason, has_call_hooks
 from tread_fx.passes.trace.tracer import TracedCall, fetch_attr, trace_call
 from tread_fx.passes.trace.value_tracer import EXAMPLE_KEY
@@ -41,8 +43,18 @@ __all__ = [
 ]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Instance:
+    """A dataclass instance handed to a block, matched by its class only: the block's trace
+    holds its fields as constants (Chroma's ``ModulationOut`` per block)."""
+
+    cls: type
+
+
 def _plain(tree: Any) -> Any:
     """fx's immutable containers as plain lists/dicts (so pytree specs compare)."""
+    if dataclass_args.is_instance(tree) and not isinstance(tree, _Instance):
+        return _Instance(type(tree))
     if isinstance(tree, (list, tuple)) and not hasattr(tree, "_fields"):
         items = [_plain(v) for v in tree]
         return items if isinstance(tree, list) else tuple(items)
@@ -71,6 +83,8 @@ def node_tree(node: fx.Node) -> Any:
     def leaf(a: Any) -> Any:
         if isinstance(a, fx.Node) and is_module_leaf((a, ())):
             return (a, ())  # a module handed to the block
+        if (cls := dataclass_args.built_class(a)) is not None:
+            return _Instance(cls)
         return expand(a, a.meta.get("tread_meta"), ()) if isinstance(a, fx.Node) else a
 
     return _plain(fx.node.map_aggregate((node.args, node.kwargs), leaf))

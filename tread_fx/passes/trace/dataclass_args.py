@@ -27,7 +27,14 @@ from typing import Any
 
 import torch.fx as fx
 
-__all__ = ["constructor", "holds_proxy", "init_fields", "is_instance", "map_fields"]
+__all__ = [
+    "built_class",
+    "constructor",
+    "holds_proxy",
+    "init_fields",
+    "is_instance",
+    "map_fields",
+]
 
 
 def is_instance(value: Any) -> bool:
@@ -65,4 +72,11 @@ def constructor(cls: type) -> Callable[..., Any]:
         return cls(**fields)
 
     build.__name__ = build.__qualname__ = f"build_{cls.__name__}"
+    build.dataclass = cls  # type: ignore[attr-defined]
     return build
+
+
+def built_class(node: Any) -> type | None:
+    """The dataclass a graph node builds with :func:`constructor`, or ``None``."""
+    is_call = isinstance(node, fx.Node) and node.op == "call_function"
+    return getattr(node.target, "dataclass", None) if is_call else None

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from tread_fx.stages import own_file
+from tread_fx.stages import own_file, written_by_user
 
 __all__ = [
     "functional_setitem",
@@ -80,27 +80,32 @@ def thread_inplace(graph: fx.Graph) -> None:
             user.replace_input_with(mutated, node)
 
 
-def library_function_of(err: BaseException, model_files: set[str]) -> Callable | None:
+def library_function_of(
+    err: BaseException, model_files: set[str]
+) -> tuple[Callable, types.ModuleType | None] | None:
     """The library function the model's own code called when ``err`` was raised: the frame
-    after the traceback's last one in ``model_files`` (absolute paths), if it is a function
-    outside torch, the standard library and tread_fx that the model's code reaches by a global
-    name: a module-level function, or one bound to a name of the caller's module (a closure
-    or a replaced kernel assigned there); else ``None``."""
+    after the traceback's last one of the model's code, if it is a function outside torch, the
+    standard library and tread_fx that the model's code reaches by a global name: a
+    module-level function, or one bound to a name of the caller's module (a closure or a
+    replaced kernel assigned there), with the module of that calling code (where fx must find
+    the function's name to patch it); else ``None``. The model's code is ``model_files``
+    (absolute paths: the files of its classes) and every file not installed as a package (a
+    helper module beside them in its repository, such as ``math.py`` next to ``model.py``)."""
     frames = [frame for frame, _ in traceback.walk_tb(err.__traceback__)]
     files = [os.path.abspath(f.f_code.co_filename) for f in frames]
-    in_model = [i for i, f in enumerate(files) if f in model_files]
+    in_model = [i for i, f in enumerate(files) if f in model_files or written_by_user(f)]
     if not in_model or in_model[-1] + 1 >= len(frames):
         return None
     callee, path = frames[in_model[-1] + 1], files[in_model[-1] + 1]
     neutral = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.__file__) + os.sep)
     if path.startswith(neutral) or own_file(path):
         return None
-    code = callee.f_code
+    code, caller = callee.f_code, frames[in_model[-1]].f_globals
+    module = sys.modules.get(caller.get("__name__", ""))
     fn = callee.f_globals.get(code.co_name)  # a module-level function
-    if getattr(fn, "__code__", None) is code:
-        return fn
-    caller_names = frames[in_model[-1]].f_globals.values()
-    return next((f for f in caller_names if getattr(f, "__code__", None) is code), None)
+    if getattr(fn, "__code__", None) is not code:
+        fn = next((f for f in caller.values() if getattr(f, "__code__", None) is code), None)
+    return None if fn is None else (fn, module)
 
 
 def defining_modules(fn: Callable) -> list[types.ModuleType]:

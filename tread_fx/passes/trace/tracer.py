@@ -219,6 +219,7 @@ def trace_call(
     flat, in_spec = pytree.tree_flatten((args, kwargs))
     auto_leaves: dict[str, str] = {}
     auto_functions: list = []
+    calling: list = []  # the modules calling each of them (patched where they find its name)
     function_reasons: dict[Any, str] = {}  # leaf function (or Function's apply) -> why
     opaque: set[type] = set()  # custom autograd Functions called as one node
     # a class defined in a notebook, a REPL or ``python -c`` lives in a module with no file
@@ -240,6 +241,7 @@ def trace_call(
         # registered leaf functions called from the model's own forward (called directly,
         # not through Module.__call__, so fx would not look in its globals by itself)
         tracer._autowrap_search.extend(code_modules)
+        tracer._autowrap_search.extend(m for m in calling if m is not None)
         tracer._autowrap_search.extend(m for f in auto_functions for m in defining_modules(f))
         try:
             graph = trace_restoring_state(tracer, wrapper, model, tensors)
@@ -269,9 +271,12 @@ def trace_call(
                 raise _stuck(model, err, tracer, (args, kwargs), auto_leaves) from None
             auto_leaves[leaf] = f"{err.what} at {err.where}"
         except Exception as err:  # fx limitation inside a submodule: make it a leaf
-            library_fn = library_function_of(err, model_files)
-            if library_fn is not None and library_fn not in auto_functions:
-                auto_functions.append(library_fn)  # e.g. einops: called on real values
+            library_fn, caller = library_function_of(err, model_files) or (None, None)
+            if library_fn is not None and (
+                library_fn not in auto_functions or caller not in calling
+            ):  # e.g. einops: called on real values, wherever the model's code calls it
+                auto_functions.extend([library_fn] if library_fn not in auto_functions else [])
+                calling.append(caller)
                 continue
             leaf = _new_leaf(getattr(err, "tread_module_path", None), auto_leaves)
             if leaf is None and _add_enclosing(err, auto_functions):
