@@ -54,6 +54,7 @@ from torch import nn
 import tread_fx
 from benchmarks.coverage_provenance import samples_mixed, stream_mismatch
 from tread_fx.inspection.flops import flop_counter
+from tread_fx.module_state import random_state_kept, seed_every_generator
 
 __all__ = [
     "Case",
@@ -184,8 +185,8 @@ def _fresh(case: Case) -> nn.Module:
 def _forward(model: nn.Module, case: Case, train: bool, rng_seed: int = 123) -> torch.Tensor:
     args, kwargs = case.inputs()
     model.train(train)
-    with torch.random.fork_rng():
-        torch.manual_seed(rng_seed)
+    with random_state_kept():  # a forward drawing with np.random or random too (efficientvit)
+        seed_every_generator(rng_seed)
         return first_tensor(model(*args, **kwargs))
 
 

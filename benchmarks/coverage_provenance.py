@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 import tread_fx
+from tread_fx.module_state import random_state_kept, seed_every_generator
 
 __all__ = ["noisy_positions", "stream_mismatch", "spans", "perturbed"]
 
@@ -86,7 +87,8 @@ def _stream_at(model: nn.Module, path: str, slot: tuple, call: tuple[tuple, dict
 
     handle = model.get_submodule(path).register_forward_pre_hook(hook, with_kwargs=True)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), random_state_kept():  # the same draws in every run
+            seed_every_generator(0)
             model.eval()  # not chained: a model's own eval()/train() may return None (MDM)
             model(*call[0], **call[1])
     finally:
@@ -204,8 +206,8 @@ def _training_outputs(model: nn.Module, calls: Sequence[tuple]) -> list[torch.Te
     outs = []
     model.train()
     for args, kwargs in calls:
-        with torch.random.fork_rng(), torch.no_grad():
-            torch.manual_seed(123)
+        with random_state_kept(), torch.no_grad():
+            seed_every_generator(123)
             outs.append(first_tensor(model(*args, **kwargs)))
     return outs
 
@@ -244,6 +246,8 @@ def samples_mixed(
     else:
         changed = (args, {**kwargs, name: _sample_changed(kwargs[name], batch_dim, gen)})
     plain = _training_outputs(copy.deepcopy(pristine), [call, changed])
+    if plain[0].dim() <= batch_dim:  # a forward that is a training step returns its loss
+        return "", "samples not checked apart: the first output has no sample dim (a loss)"
     if _other_samples_moved(*plain, batch_dim):
         return "", "samples not checked apart: the unrouted training forward mixes them"
     twin = copy.deepcopy(routed)  # the same selection generator state: the same selection

@@ -33,10 +33,12 @@ import copy
 import functools
 import inspect
 import operator
+import random
 import sys
 from collections.abc import Iterator
 from typing import Any
 
+import numpy
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
@@ -57,6 +59,8 @@ __all__ = [
     "traced_through",
     "call_signature",
     "attributes_kept",
+    "random_state_kept",
+    "seed_every_generator",
 ]
 
 _WRAPPERS = {  # class name: (the attribute holding the model, what to pass route() instead)
@@ -372,3 +376,30 @@ def _put_back_items(container: Any, items: Any) -> None:
         container.extend(items)
     else:
         container.update(items)
+
+
+@contextlib.contextmanager
+def random_state_kept(devices: list[int] | None = None) -> Iterator[None]:
+    """torch's (the CPU's and ``devices``'; ``None``: every CUDA device), numpy's and Python's
+    random state put back afterwards. A forward may draw from any of them (a training step
+    drawing its noise with ``np.random``); a run of the model's code that tread_fx makes
+    (tracing, a probe) must leave the user's next call the numbers it would have drawn.
+
+    Example:
+        >>> with random_state_kept([]):
+        ...     _ = numpy.random.rand(), random.random(), torch.rand(1)
+    """
+    python, numpy_state = random.getstate(), numpy.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        random.setstate(python)
+        numpy.random.set_state(numpy_state)
+
+
+def seed_every_generator(seed: int) -> None:
+    """Seed torch's, numpy's and Python's global generators (a probe's runs draw alike)."""
+    torch.manual_seed(seed)
+    numpy.random.seed(seed)
+    random.seed(seed)

@@ -36,7 +36,7 @@ from tread_fx.errors import (
     TokenStreamError,
     warn_at_caller,
 )
-from tread_fx.module_state import attributes_kept
+from tread_fx.module_state import attributes_kept, random_state_kept
 from tread_fx.passes.locate.batch_dim import UNTOLD, untold_warning
 from tread_fx.passes.locate.choice import choose_stream, thin_stack
 from tread_fx.passes.locate.dataflow import fed_by
@@ -385,7 +385,7 @@ def build(model: nn.Module, args: tuple, kwargs: dict, config: RoutingConfig) ->
     """
     with stage_clock() as seconds, attributes_kept(model, only_traced=True):
         built = _build(model, args, kwargs, config)
-        with stage("checking", lambda: {"model": model}):
+        with stage("checking", lambda: {"model": model}), random_state_kept([]):
             built.checked = check_routed_graph(built, model, args, kwargs)
     built.stage_seconds = dict(seconds)
     return built

@@ -36,6 +36,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from tread_fx.errors import TokenStreamError
+from tread_fx.module_state import random_state_kept, seed_every_generator
 from tread_fx.passes.trace.block import EXAMPLE_KEY, example_of
 from tread_fx.passes.trace.support import dynamo_wrappers_run_original, has_call_hooks
 
@@ -265,10 +266,10 @@ def _recorded(
         with (
             _evaluating(module),
             torch.no_grad(),
-            torch.random.fork_rng(devices=[]),
+            random_state_kept([]),
             dynamo_wrappers_run_original(),
         ):  # a compiled block runs its own code, uncompiled
-            torch.manual_seed(0)
+            seed_every_generator(0)
             out = (call or module)(*args, **kwargs)
             if call is not None:  # the block's own hook does not see a call of its forward
                 seen.extend(pytree.tree_leaves(out))

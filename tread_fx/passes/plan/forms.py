@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 
 from tread_fx.errors import TokenStreamError
-from tread_fx.module_state import attributes_kept
+from tread_fx.module_state import attributes_kept, random_state_kept, seed_every_generator
 from tread_fx.passes.locate.layout import crossing_prefix, stream_tokens
 from tread_fx.passes.locate.stream import StreamInfo
 from tread_fx.passes.trace.tracer import TensorMeta
@@ -169,8 +169,8 @@ def _tag(value: torch.Tensor, token_dim: int, sign: float) -> torch.Tensor:
 def _read(gm, info: StreamInfo, index: int, tensors: list, sign: float) -> torch.Tensor:
     source, target = info.blocks[index - 1].stream_out, info.blocks[index].stream_in
     runner = _Tagging(gm, {source}, target, lambda v: _tag(v, info.layout.token_dim, sign))
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        torch.manual_seed(0)
+    with random_state_kept([]), torch.no_grad():
+        seed_every_generator(0)
         try:
             runner.run(*tensors)
         except _Reached as reached:
@@ -320,8 +320,8 @@ def _value_at(gm, sources: set, target: fx.Node, tensors: list, tag) -> torch.Te
     """``target``'s value with ``sources``' replaced by ``tag(value)``, the random draws
     repeated; ``None`` where the graph cannot be run that far."""
     runner = _Tagging(gm, sources, target, tag)
-    with torch.random.fork_rng(devices=[]), torch.no_grad(), attributes_kept(gm):
-        torch.manual_seed(0)  # BatchNorm statistics and caches are put back afterwards
+    with random_state_kept([]), torch.no_grad(), attributes_kept(gm):
+        seed_every_generator(0)  # BatchNorm statistics and caches are put back afterwards
         try:
             runner.run(*tensors)
         except _Reached as reached:

@@ -31,6 +31,7 @@ from torch.utils import _pytree as pytree
 
 from tread_fx.adapters.values import NO_BATCH_DIM, TensorMeta
 from tread_fx.errors import TokenStreamError
+from tread_fx.module_state import random_state_kept, seed_every_generator
 from tread_fx.passes.locate.dataflow import fed_by, input_slots, output_slots, tensor_meta
 from tread_fx.passes.locate.layout import family_outputs, family_slots, fed_only_by
 from tread_fx.passes.locate.stream import BlockCall, StreamInfo, handed_values, same_block_class
@@ -141,10 +142,10 @@ def _zeros_differ(module: torch.nn.Module, example: Any, slot: tuple, like: Tens
     if filled is None:
         return "the slot cannot be filled in the block's call"
     try:
-        with torch.no_grad(), torch.random.fork_rng():
-            torch.manual_seed(0)
+        with torch.no_grad(), random_state_kept():
+            seed_every_generator(0)
             empty = module(*_cloned(example[0]), **_cloned(dict(example[1])))
-            torch.manual_seed(0)
+            seed_every_generator(0)
             zeroed = module(*filled[0], **filled[1])
     except Exception as err:  # noqa: BLE001 - the block's own failure decides the refusal
         return f"calling it with zeros there failed ({type(err).__name__}: {err})"

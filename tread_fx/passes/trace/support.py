@@ -263,7 +263,7 @@ def untraceable_error(model: nn.Module, err: DataDependentError) -> UntraceableM
     return UntraceableModelError(
         f"cannot trace {type(model).__name__}.forward: {err.what} at {err.where}. "
         "Shape-derived Python is resolved while tracing, and tensor data read in the model's "
-        "own forward is resolved with a runtime guard; Python random numbers, and code fx "
+        "own forward is resolved with a runtime guard; Python or numpy random numbers, and code fx "
         "cannot record there, cannot be routed safely. Move that code into a submodule and "
         "register it with "
         "tread_fx.register_leaf_module (or the function with tread_fx.register_leaf_function)."

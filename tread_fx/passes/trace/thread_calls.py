@@ -8,7 +8,8 @@ calls. It serves two needs without replacing any name:
   functions (``random.random()``, ``random.uniform()``, ``random.choice()`` ...) reaches a C
   method (``random()``, ``getrandbits()``) of the generator they share; the call is refused
   with :class:`~.support.DataDependentError` before it runs, as a drawn number would be baked
-  into the graph.
+  into the graph. numpy's draws (``np.random.choice``) are compiled methods no profile
+  function sees: :class:`NumpyDraws` finds them by the global generator's state instead.
 - **Sizes as varargs** (``torch.ones(b, n)``, ``t.expand(b, -1)``, ``b`` a traced size):
   torch's argument parser rejects a first vararg that has ``__torch_function__``. While such a
   call is being parsed, the tracer's int-valued proxies present none
@@ -44,11 +45,12 @@ import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy
 import torch
 
 from tread_fx.passes.trace.support import DataDependentError
 
-__all__ = ["SIZES_AS_VARARGS", "watch_thread_calls"]
+__all__ = ["SIZES_AS_VARARGS", "watch_thread_calls", "NumpyDraws"]
 
 #: functions and ``Tensor`` methods whose sizes may be passed as varargs (``torch.ones(b, n)``)
 SIZES_AS_VARARGS = (
@@ -126,3 +128,37 @@ def _restore_profile(previous: Any) -> None:
     else:
         sys.setprofile(None)
         previous.enable()
+
+
+class NumpyDraws:
+    """Draws from numpy's global generator (``np.random.choice`` ...) by traced code, found by
+    the generator's state: :meth:`check` between the runs of eager code (a leaf module, an
+    op computed for real), whose own draws happen at every call and are fine, refuses a change
+    since :meth:`mark`. A drawn number would be baked into the graph (efficientvit's training
+    step drew its timesteps so: every routed step would reuse the traced ones).
+
+    Example:
+        >>> draws = NumpyDraws()
+        >>> _ = numpy.random.rand()
+        >>> draws.changed()
+        True
+    """
+
+    def __init__(self) -> None:
+        self.mark()
+
+    def mark(self) -> None:
+        """Remember where the generator is now."""
+        _, self._key, self._pos, *_ = numpy.random.get_state()
+
+    def changed(self) -> bool:
+        """Whether the generator moved since :meth:`mark`."""
+        _, key, pos, *_ = numpy.random.get_state()
+        return pos != self._pos or not numpy.array_equal(key, self._key)
+
+    def check(self, tracer: Any) -> None:
+        """Refuse a draw since :meth:`mark`, in the module ``tracer`` is in."""
+        if self.changed():
+            raise DataDependentError.at(
+                "numpy randomness (np.random's global generator, drawn before this line)", tracer
+            )

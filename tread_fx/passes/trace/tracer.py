@@ -30,6 +30,7 @@ from torch.utils import _pytree as pytree
 
 from tread_fx.adapters.values import TensorMeta
 from tread_fx.errors import UntraceableModelError
+from tread_fx.module_state import random_state_kept
 from tread_fx.passes.trace.mutation import (
     defining_modules,
     drop_unused_sizes,
@@ -338,7 +339,7 @@ def trace_restoring_state(
         buffers = [(b, b.detach().clone()) for b in model.buffers()]
         try:
             with (
-                torch.random.fork_rng(devices=devices),
+                random_state_kept(devices),
                 factories_take_proxies(tracer),
                 watch_thread_calls(tracer),
                 checkpoint_as_plain_call(tracer, model),
@@ -347,7 +348,9 @@ def trace_restoring_state(
                 functions_as_calls(tracer, getattr(tracer, "opaque_functions", frozenset())),
                 leaf_functions_held_by_modules(tracer, model),
             ):
-                return trace_patching_this_thread(tracer, wrapper)
+                graph = trace_patching_this_thread(tracer, wrapper)
+                tracer.numpy_draws.check(tracer)  # the model's own code after its last op
+                return graph
         finally:
             with torch.no_grad():
                 for live, saved in buffers:

@@ -43,6 +43,7 @@ from tread_fx.passes.trace.support import (
     store_object_constant,
     user_frame,
 )
+from tread_fx.passes.trace.thread_calls import NumpyDraws
 from tread_fx.passes.trace.torch_api import (
     ANSWERED_KINDS,
     check_traced_metadata,
@@ -114,6 +115,7 @@ class ValueTracer(fx.Tracer):
         self.input_grads = input_grads or {}  # placeholder -> the real input's requires_grad
         self.module_stack: list[str] = []
         self.running_eager = 0
+        self.numpy_draws = NumpyDraws()  # np.random draws of traced code are refused
         self.model_namespaces: set[int] = set()  # the model's modules' globals (ids)
         self.sizes_call: Any = None  # the C call taking sizes as varargs now parsed
         self.type_checks: list = []  # frames calling ``isinstance`` now (innermost last)
@@ -177,6 +179,8 @@ class ValueTracer(fx.Tracer):
 
     def _run(self, kind: str, target: Any, args: tuple, kwargs: dict) -> Any:
         args, kwargs = self._values(args), self._values(kwargs)
+        if not self.running_eager:
+            self.numpy_draws.check(self)  # the traced code since the last run drew none
         self.running_eager += 1
         try:
             with torch.no_grad():  # traced code sees the caller's (thread-local) grad mode
@@ -187,6 +191,8 @@ class ValueTracer(fx.Tracer):
             raise EagerFailure(err) from err
         finally:
             self.running_eager -= 1
+            if not self.running_eager:
+                self.numpy_draws.mark()  # what eager code draws, it draws at every call
 
     def _run_eager(self, kind: str, target: Any, args: tuple, kwargs: dict) -> Any:
         if kind == "call_function":
@@ -336,11 +342,15 @@ class ValueTracer(fx.Tracer):
             return forward(*args, **kwargs)
         if self.is_leaf_module(m, path):
             return self.create_proxy("call_module", path, args, kwargs)
+        self.numpy_draws.check(self)  # drawn by the caller's code before this module
         self.module_stack.append(path)
         try:
             if self.through_hooks and has_call_hooks(m):
-                return self._trace_inside_hooks(m, args, kwargs)
-            return forward(*args, **kwargs)
+                out = self._trace_inside_hooks(m, args, kwargs)
+            else:
+                out = forward(*args, **kwargs)
+            self.numpy_draws.check(self)  # drawn by this module's own code: it becomes a leaf
+            return out
         except (DataDependentError, EagerFailure):
             raise
         except Exception as err:  # remember the innermost module that failed to trace
