@@ -73,12 +73,15 @@ class RowMap:
         skip: Leading stream tokens that have no row (timm EVA's tables leave out the
             cls/register tokens).
         trail: Rows after the token rows (always kept).
+        drop: Trailing stream tokens that have no row (text behind the image tokens, where the
+            table holds the image tokens' rows only).
     """
 
     dims: tuple[int, ...]
     lead: int = 0
     skip: int = 0
     trail: int = 0
+    drop: int = 0
 
     def options(self, batch: int | None) -> dict[str, Any]:
         """Keyword arguments of :func:`take_rows` for this map."""
@@ -128,13 +131,15 @@ def find_rows(
         return None
     shape = metas[0].shape
     dims = [d for d in range(len(shape) - int(features_last)) if d != batch]
-    n, prefix = side.stream.num_tokens, side.stream.prefix
-    sizes = {n - prefix: prefix, n: 0}  # row counts that map to stream tokens: their skip
+    n, prefix, suffix = side.stream.num_tokens, side.stream.prefix, side.stream.suffix
+    # row counts that map to stream tokens: (skip, drop), the routable tokens' first
+    sizes = {n: (0, 0), n - prefix: (prefix, 0), n - prefix - suffix: (prefix, suffix)}
     direct = [d for d in dims if shape[d] in sizes]
     if direct:
         if not (all_dims or len(direct) == 1) or len({shape[d] for d in direct}) != 1:
             return None
-        return RowMap(tuple(direct), skip=sizes[shape[direct[0]]])
+        skip, drop = sizes[shape[direct[0]]]
+        return RowMap(tuple(direct), skip=skip, drop=drop)
     for dim in dims:  # more rows than tokens: tied to the stream by what built them
         parts = _split_parts(side, shape[dim], n) if shape[dim] > n else None
         if parts is not None:  # a mask's query and key dims both, when it has them
@@ -243,9 +248,11 @@ def _size(part: Any, dim: int) -> int | None:
 # -- runtime ops (inserted into routed graphs) -----------------------------------------------
 
 
-def _row_ids(idx: torch.Tensor, rows: int, lead: int, skip: int, trail: int) -> torch.Tensor:
+def _row_ids(
+    idx: torch.Tensor, rows: int, lead: int, skip: int, trail: int, drop: int = 0
+) -> torch.Tensor:
     """Table rows [B, r] kept for the kept stream tokens ``idx`` [B, k]."""
-    ids = with_prefix(idx[:, skip:] - skip, lead)
+    ids = with_prefix(idx[:, skip : idx.shape[1] - drop] - skip, lead)
     return with_suffix(ids, rows - trail, trail) if trail else ids
 
 
@@ -265,6 +272,7 @@ def take_rows(
     trail: int,
     batch: int | None,
     broadcast: int | None = None,
+    drop: int = 0,
     **layout: Any,
 ) -> Any:
     """Keep the table rows of the kept tokens ``idx`` [B, k] (prefix ids first).
@@ -272,7 +280,7 @@ def take_rows(
     Args:
         value: A tensor, or a tuple/list of tensors (e.g. ``(cos, sin)``).
         idx: The route's kept token ids.
-        dims, lead, skip, trail: Where the token rows are (see :class:`RowMap`).
+        dims, lead, skip, trail, drop: Where the token rows are (see :class:`RowMap`).
         batch: The table's batch dim for a per-sample gather; ``None`` for a batch-shared
             table, indexed with the first sample's ids (the selection is shared).
         broadcast: A dim of size 1 the value is broadcast along over the batch: with
@@ -287,7 +295,7 @@ def take_rows(
         if broadcast is not None and batch is not None:  # [1, N, d] -> [B, N, d], per sample
             x = x.expand(*x.shape[:broadcast], idx.shape[0], *x.shape[broadcast + 1 :])
         for dim in dims:
-            ids = _row_ids(idx, x.shape[dim], lead, skip, trail)
+            ids = _row_ids(idx, x.shape[dim], lead, skip, trail, drop)
             if batch is None:
                 x = x.index_select(dim, ids[0])
             else:
@@ -298,7 +306,14 @@ def take_rows(
 
 
 def per_sample_rope_table(
-    value: Any, idx: torch.Tensor, *, lead: int, skip: int, trail: int, **layout: Any
+    value: Any,
+    idx: torch.Tensor,
+    *,
+    lead: int,
+    skip: int,
+    trail: int,
+    drop: int = 0,
+    **layout: Any,
 ) -> Any:
     """Turn a batch-shared ``[..., R, d]`` table into a per-sample ``[B, H, r, d]`` one.
 
@@ -309,7 +324,7 @@ def per_sample_rope_table(
     def one(x: torch.Tensor) -> torch.Tensor:
         table = x if x.dim() == 3 else x.unsqueeze(0)
         batched = table.unsqueeze(0).expand(idx.shape[0], *table.shape)
-        ids = _row_ids(idx, x.shape[-2], lead, skip, trail)
+        ids = _row_ids(idx, x.shape[-2], lead, skip, trail, drop)
         return batched.gather(2, token_index(ids, batched, 2, 0))
 
     return map_tensors(value, one)

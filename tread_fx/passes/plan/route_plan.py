@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import networkx as nx
+import torch
 import torch.fx as fx
 
 from tread_fx.adapters import StreamLayout
@@ -50,6 +51,7 @@ from tread_fx.passes.plan.crossings import (
     leaving_values,
     module_of,
 )
+from tread_fx.passes.plan.forms import FormChange
 from tread_fx.passes.plan.grid_uses import grid_uses, height_slots
 from tread_fx.passes.plan.handoff import (
     check_empty_start,
@@ -235,9 +237,11 @@ def plan_route(
     )
 
 
-def _boundary(gm, g, info: StreamInfo, route: Route, strict: bool, grid=None, piece=False):
+def _boundary(gm, g, info: StreamInfo, route: Route, strict: bool, grid=None, piece=None):
     """The :class:`RoutePlan` fields of what crosses the route's region, and the uses of what
-    enters it; a later piece of a split route has no never-routed prefix, suffix or grid."""
+    enters it. A later piece of a split route (``piece``: the form change at its start) has
+    no grid, and its prefix and suffix are the other tokens around the image tokens where
+    these stay one run (:func:`_around_image`)."""
     region, stream_start, stream_end = _region(g, info, route)
     refuse_opaque_calls_on_stream(region, info, route, stream_start)
     start = info.blocks[route.start]
@@ -245,8 +249,8 @@ def _boundary(gm, g, info: StreamInfo, route: Route, strict: bool, grid=None, pi
     tokens = shape[first.token_dim]
     # a packed stream has no batch dim (batch size 1)
     batch = first.batch_size if first.batch_dim == NO_BATCH_DIM else shape[first.batch_dim]
-    if piece:
-        prefix, grid, suffix = 0, None, 0
+    if piece is not None:
+        (prefix, suffix), grid = _around_image(piece, tokens), None
     else:  # a longer later stream keeps the image part (and its suffix) last
         prefix, suffix = stream_prefix(g, info, start), first.suffix
         grid = grid if tokens == first.num_tokens else None
@@ -310,7 +314,7 @@ def _plan_piece(gm, g, info, route: Route, follows: RoutePlan, change, strict) -
     places of the first piece's kept tokens and at every other token (never routed)."""
     check_one_stream_length(info, route)
     check_no_token_tables_inside(gm, info, route)
-    common, _ = _boundary(gm, g, info, route, strict, piece=True)
+    common, _ = _boundary(gm, g, info, route, strict, piece=change)
     return RoutePlan(
         **common,
         index=follows.index,
@@ -320,3 +324,23 @@ def _plan_piece(gm, g, info, route: Route, follows: RoutePlan, change, strict) -
         shared_selection=follows.shared_selection,
         change=change,
     )
+
+
+def _around_image(change: FormChange, tokens: int) -> tuple[int, int]:
+    """``(prefix, suffix)`` of a later piece's stream of ``tokens``: the other tokens before
+    and after the image tokens where these are one run at the same places in every sample
+    (``cat((img, txt), 1)``), so a table of the image tokens' rows (a RoPE table of the first
+    stream) maps to them; else ``(0, 0)`` (no such table is cut).
+
+    Example:
+        >>> pos = torch.arange(4).expand(2, 4) + 2
+        >>> _around_image(FormChange(3, pos, torch.tensor([[0, 1, 6]])), 7)
+        (2, 1)
+    """
+    positions = change.positions
+    start = positions[:, :1]
+    run = start + torch.arange(positions.shape[1], device=positions.device)
+    if not (torch.equal(positions, run) and bool((start == start[0, 0]).all())):
+        return 0, 0
+    prefix = int(start[0, 0])
+    return prefix, tokens - positions.shape[1] - prefix
