@@ -83,29 +83,48 @@ def thread_inplace(graph: fx.Graph) -> None:
 def library_function_of(
     err: BaseException, model_files: set[str]
 ) -> tuple[Callable, types.ModuleType | None] | None:
-    """The library function the model's own code called when ``err`` was raised: the frame
-    after the traceback's last one of the model's code, if it is a function outside torch, the
-    standard library and tread_fx that the model's code reaches by a global name: a
-    module-level function, or one bound to a name of the caller's module (a closure or a
-    replaced kernel assigned there), with the module of that calling code (where fx must find
-    the function's name to patch it); else ``None``. The model's code is ``model_files``
-    (absolute paths: the files of its classes) and every file not installed as a package (a
-    helper module beside them in its repository, such as ``math.py`` next to ``model.py``)."""
+    """The library function that rejected a traced value when ``err`` was raised, with the
+    module of the code that called it (where fx must find the function's name to patch it);
+    else ``None``.
+
+    The library is that of the traceback's innermost frame outside torch, the standard library
+    and tread_fx, below the model's own code; its function is the first frame of that library
+    in the calling chain, reached by a global name of its caller: a module-level function, or
+    one bound to a name of the caller's module (a closure or a replaced kernel assigned
+    there). Code of another library on the way is traced through like the model's:
+    x-transformers' ``apply_rotary_pos_emb`` calling einops makes einops' ``rearrange`` the
+    leaf, so the rotary table's use is seen. The model's code is ``model_files`` (absolute
+    paths: the files of its classes) and every file not installed as a package (a helper
+    module beside them in its repository, such as ``math.py`` next to ``model.py``)."""
     frames = [frame for frame, _ in traceback.walk_tb(err.__traceback__)]
     files = [os.path.abspath(f.f_code.co_filename) for f in frames]
     in_model = [i for i, f in enumerate(files) if f in model_files or written_by_user(f)]
-    if not in_model or in_model[-1] + 1 >= len(frames):
+    if not in_model:
         return None
-    callee, path = frames[in_model[-1] + 1], files[in_model[-1] + 1]
-    neutral = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.__file__) + os.sep)
-    if path.startswith(neutral) or own_file(path):
+    outside = [i for i in range(in_model[-1] + 1, len(frames)) if not _neutral(files[i])]
+    if not outside or outside[0] != in_model[-1] + 1:  # the model's code called no library
         return None
-    code, caller = callee.f_code, frames[in_model[-1]].f_globals
+    entry, package = outside[-1], _package(frames[outside[-1]])
+    while entry - 1 in outside and _package(frames[entry - 1]) == package:
+        entry -= 1
+    callee, caller = frames[entry], frames[entry - 1].f_globals
     module = sys.modules.get(caller.get("__name__", ""))
+    code = callee.f_code
     fn = callee.f_globals.get(code.co_name)  # a module-level function
     if getattr(fn, "__code__", None) is not code:
         fn = next((f for f in caller.values() if getattr(f, "__code__", None) is code), None)
     return None if fn is None else (fn, module)
+
+
+def _neutral(path: str) -> bool:
+    """Code of torch, the standard library or tread_fx (never a library function's)."""
+    neutral = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.__file__) + os.sep)
+    return path.startswith(neutral) or own_file(path)
+
+
+def _package(frame: types.FrameType) -> str:
+    """The top-level package of the code running in ``frame``."""
+    return str(frame.f_globals.get("__name__", "")).split(".")[0]
 
 
 def defining_modules(fn: Callable) -> list[types.ModuleType]:
