@@ -153,15 +153,31 @@ def _forward(start: fx.Node, within: set[fx.Node] | None = None) -> set[fx.Node]
     return seen
 
 
-def _is_scores(node: fx.Node, stream: set[fx.Node], depth: int = 4) -> bool:
-    """``node`` is (a scaling or softmax of) a product of two stream-derived values
-    (q @ k^T): attention scores or probabilities, a token-by-token map."""
+def _is_scores(node: fx.Node, stream: set[fx.Node], tokens: set[int], depth: int = 4) -> bool:
+    """``node`` is (a scaling or softmax of) a product of two stream-derived values with
+    tokens on both its last dims (q @ k^T): attention scores or probabilities, a
+    token-by-token map. The attention's output (``probs @ v``: a product with scores, even
+    where the head dim equals the token count) is none."""
     name = _name(node)
     if name in _MATMUL:
-        return sum(a in stream for a in node.all_input_nodes) >= 2
-    if depth == 0 or not (name in _SCORE_PATH or is_elementwise(node) or keeps_values(node)):
+        shape, operands = tensor_shape(node), [a for a in node.all_input_nodes if a in stream]
+        square = shape is None or (len(shape) >= 2 and {shape[-2], shape[-1]} <= tokens)
+        if not square or len(operands) < 2:
+            return False
+        return not any(_is_scores(a, stream, tokens) for a in operands)
+    on_path = name in _SCORE_PATH or is_elementwise(node) or keeps_values(node)
+    if depth == 0 or not (on_path or _elementwise_module(node)):
         return False
-    return any(_is_scores(a, stream, depth - 1) for a in node.all_input_nodes if a in stream)
+    inputs = (a for a in node.all_input_nodes if a in stream)
+    return any(_is_scores(a, stream, tokens, depth - 1) for a in inputs)
+
+
+def _elementwise_module(node: fx.Node) -> bool:
+    """A call of torch's dropout or identity module (attention probabilities pass through)."""
+    gm = node.graph.owning_module
+    if node.op != "call_module" or gm is None:
+        return False
+    return isinstance(gm.get_submodule(node.target), (nn.Dropout, nn.Identity))
 
 
 def _aligned(mine, theirs, tokens: set[int], skip: Any = None) -> bool:
@@ -204,11 +220,11 @@ def _tensor_use(node: fx.Node, reach: set[fx.Node], stream: set[fx.Node], ctx) -
     if name in _MATMUL and mine and theirs:
         added = name == "baddbmm" and node.args[0] in mine  # baddbmm(bias, q, k^T)
         mixed = mixes_tokens(node, mine, theirs, tokens)  # [T, T] @ stream
-        if added and _is_scores(node, stream) or mixed:
+        if added and _is_scores(node, stream, tokens) or mixed:
             return Use.MASK
         return _projection_use(node, mine, stream, tokens)
     if is_elementwise(node) and mine and theirs:
-        if any(_is_scores(t, stream) for t in theirs):
+        if any(_is_scores(t, stream, tokens) for t in theirs):
             return Use.MASK
         if any(
             pairs_tokens(tensor_shape(a), tensor_shape(t), tokens) for a in mine for t in theirs
