@@ -22,6 +22,7 @@ import torch.fx as fx
 from tread_fx.errors import SideInputError, TokenStreamError
 from tread_fx.passes.locate.dataflow import (
     argument_items,
+    fed_by,
     input_slots,
     int_value,
     output_slots,
@@ -238,7 +239,7 @@ def is_token_slot(g: nx.DiGraph, info: StreamInfo, value: fx.Node, feeders) -> b
     if len(shape) <= dim or shape[dim] != info.layout.num_tokens:
         return False  # e.g. CogVideoX's text stream, sliced off a text+image concatenation
     if feeders is None:  # the stack's first list: by data flow from the model's first input
-        return value is info.primary or nx.has_path(g, info.primary, value)
+        return fed_by(value, info.primary)  # by values: a size read (`x[:b]`) is no data
     return fed_only_by(value, feeders, info)
 
 
