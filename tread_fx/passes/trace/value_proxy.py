@@ -140,7 +140,7 @@ class ValueAttribute(ValueProxy, Attribute):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         tracer, value = self.tracer, self.tracer.value_of(self.root)
-        model_level = not tracer.module_stack and not tracer.running_eager
-        if self.attr in ("item", "tolist") and model_level and isinstance(value, torch.Tensor):
+        own = tracer.in_own_code()
+        if self.attr in ("item", "tolist") and own and isinstance(value, torch.Tensor):
             return tracer.guarded(self.root, value, self.attr, f"Tensor.{self.attr}()")
         return super().__call__(*args, **kwargs)

@@ -147,7 +147,7 @@ class ValueTracer(fx.Tracer):
         """Return a proxy's Python value if it is shape-derived; a value read from tensor data
         in the model's own forward is returned with a runtime guard; else refuse."""
         value = self.value_of(proxy)
-        if isinstance(value, torch.Tensor) and not self.module_stack and not self.running_eager:
+        if isinstance(value, torch.Tensor) and self.in_own_code():
             return self.guarded(proxy, value, _GUARD_KINDS.get(what, "item"), what)
         if isinstance(value, torch.Tensor) or proxy.node in self.tainted:
             source = "tensor data"
@@ -155,6 +155,12 @@ class ValueTracer(fx.Tracer):
                 source = "autograd state (the trace runs without gradients on detached copies)"
             raise DataDependentError.at(f"{what} of a value computed from {source}", self)
         return value
+
+    def in_own_code(self) -> bool:
+        """Whether the trace runs the model's own forward now, or a module holding its blocks
+        (``nn.TransformerDecoder`` comparing its mask with a causal one): code that stays in
+        the graph, where a read of tensor data gets a runtime guard."""
+        return not self.running_eager and all(p in self.holders for p in self.module_stack)
 
     def guarded(self, proxy: fx.Proxy, tensor: torch.Tensor, kind: str, what: str) -> Any:
         """The Python value of ``tensor`` read as ``kind``, checked on every routed call."""
