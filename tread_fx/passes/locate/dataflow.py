@@ -108,13 +108,22 @@ def data_inputs(node: fx.Node) -> list[fx.Node]:
     return list(node.all_input_nodes)
 
 
-def data_ancestors(node: fx.Node, stop: set[fx.Node]) -> set[fx.Node]:
-    """Every node whose values reach ``node``, not walking past the nodes in ``stop``."""
+def _like_source(node: fx.Node) -> list[fx.Node]:
+    """The tensor a ``*_like`` function or ``new_*`` method builds its result like."""
+    like = node.op == "call_function" and node.target in _LIKE_FUNCTIONS
+    new = node.op == "call_method" and str(node.target).startswith("new_")
+    return nodes_in(node.args[:1]) if like or new else []
+
+
+def data_ancestors(node: fx.Node, stop: set[fx.Node], like: bool = False) -> set[fx.Node]:
+    """Every node whose values reach ``node``, not walking past the nodes in ``stop``; with
+    ``like``, also the tensors a value is built like (``zeros_like(x)``: a residual stream
+    started empty holds ``x``'s positions), never a size read alone (``c[:x.shape[0]]``)."""
     seen: set[fx.Node] = set()
     todo = [node]
     while todo:
         current = todo.pop()
-        for parent in data_inputs(current):
+        for parent in data_inputs(current) + (_like_source(current) if like else []):
             if parent not in seen:
                 seen.add(parent)
                 if parent not in stop:
@@ -122,9 +131,14 @@ def data_ancestors(node: fx.Node, stop: set[fx.Node]) -> set[fx.Node]:
     return seen
 
 
-def fed_by(node: object, source: fx.Node, stop: set[fx.Node] = frozenset()) -> bool:
-    """Whether ``node`` is ``source`` or computed from its values (not past ``stop``)."""
-    return isinstance(node, fx.Node) and (node is source or source in data_ancestors(node, stop))
+def fed_by(
+    node: object, source: fx.Node, stop: set[fx.Node] = frozenset(), like: bool = False
+) -> bool:
+    """Whether ``node`` is ``source`` or computed from its values (not past ``stop``; with
+    ``like``, or built like it: see :func:`data_ancestors`)."""
+    if not isinstance(node, fx.Node):
+        return False
+    return node is source or source in data_ancestors(node, stop, like)
 
 
 def argument_items(node: fx.Node) -> list[tuple[tuple, Any]]:

@@ -239,7 +239,7 @@ def is_token_slot(g: nx.DiGraph, info: StreamInfo, value: fx.Node, feeders) -> b
     if len(shape) <= dim or shape[dim] != info.layout.num_tokens:
         return False  # e.g. CogVideoX's text stream, sliced off a text+image concatenation
     if feeders is None:  # the stack's first list: by data flow from the model's first input
-        return fed_by(value, info.primary)  # by values: a size read (`x[:b]`) is no data
+        return fed_by(value, info.primary, like=True)  # a size read (`x[:b]`) is no data
     return fed_only_by(value, feeders, info)
 
 

@@ -229,7 +229,7 @@ def _from_stream(g: nx.DiGraph, info: StreamInfo, path: str, value: fx.Node) -> 
     joint text stream handed on beside the image is not)."""
     n = info.list_paths.index(path)
     if n == 0:
-        return fed_by(value, info.primary)  # by values: a size read (`x[:b]`) is no data
+        return fed_by(value, info.primary, like=True)  # a size read (`x[:b]`) is no data
     before = info.list_paths[n - 1]
     last = next(b for b in info.blocks if b.list_path == before)
     feeders = family_outputs(info, before, family_slots(g, info, last))
