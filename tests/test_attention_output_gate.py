@@ -8,6 +8,7 @@ and refused. Compared with the same model routed by hand."""
 from __future__ import annotations
 
 import torch
+from third_party_checks import gather_rows, scatter_rows
 from torch import nn
 
 import tread_fx
@@ -52,9 +53,8 @@ def test_a_gate_on_the_attention_output_is_no_mask():
     routed = tread_fx.route(model, routes=[(1, 3)], rate=0.5, seed=0).train()
     out = routed(x, t)
     kept = tread_fx.route_info(routed)[0].kept
-    idx = kept[..., None].expand(-1, -1, D)
     temb = model.time(t[:, None])
     h = model.blocks[0](model.embed(x), temb)
-    inner = model.blocks[2](model.blocks[1](h.gather(1, idx), temb), temb)
-    expected = model.head(model.blocks[3](h.scatter(1, idx, inner), temb))
+    inner = model.blocks[2](model.blocks[1](gather_rows(h, kept), temb), temb)
+    expected = model.head(model.blocks[3](scatter_rows(h, kept, inner), temb))
     torch.testing.assert_close(out, expected)

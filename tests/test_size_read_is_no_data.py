@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from third_party_checks import gather_rows, scatter_rows
 from torch import nn
 
 import tread_fx
@@ -56,8 +57,7 @@ def test_a_text_stream_sliced_by_the_image_batch_is_passed_whole():
     routed = tread_fx.route(model, routes=[(1, 3)], rate=0.5, seed=0).train()
     out = routed(x, conds)
     kept = tread_fx.route_info(routed)[0].kept
-    idx = kept[..., None].expand(-1, -1, D)
     c, h = model.blocks[0](model.cond(conds["c_seq"]), model.embed(x))
-    c, inner = model.blocks[2](*model.blocks[1](c, h.gather(1, idx)))
-    _, h = model.blocks[3](c, h.scatter(1, idx, inner))
+    c, inner = model.blocks[2](*model.blocks[1](c, gather_rows(h, kept)))
+    _, h = model.blocks[3](c, scatter_rows(h, kept, inner))
     torch.testing.assert_close(out, model.head(h))

@@ -45,6 +45,7 @@ __all__ = [
     "source_line",
     "model_frame",
     "own_file",
+    "neutral_file",
     "written_by_user",
 ]
 
@@ -67,6 +68,11 @@ _INSTALLED = tuple(
 _CLOCK: contextvars.ContextVar[dict[str, float] | None] = contextvars.ContextVar(
     "tread_fx_stage_clock", default=None
 )
+
+
+def neutral_file(path: str) -> bool:
+    """Whether ``path`` is code of torch, the standard library or tread_fx itself."""
+    return os.path.abspath(path).startswith(_NEUTRAL) or own_file(path)
 
 
 def own_file(path: str) -> bool:

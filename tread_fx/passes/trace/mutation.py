@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from tread_fx.stages import own_file, written_by_user
+from tread_fx.stages import neutral_file, written_by_user
 
 __all__ = [
     "functional_setitem",
@@ -101,7 +101,7 @@ def library_function_of(
     in_model = [i for i, f in enumerate(files) if f in model_files or written_by_user(f)]
     if not in_model:
         return None
-    outside = [i for i in range(in_model[-1] + 1, len(frames)) if not _neutral(files[i])]
+    outside = [i for i in range(in_model[-1] + 1, len(frames)) if not neutral_file(files[i])]
     if not outside or outside[0] != in_model[-1] + 1:  # the model's code called no library
         return None
     entry, package = outside[-1], _package(frames[outside[-1]])
@@ -114,12 +114,6 @@ def library_function_of(
     if getattr(fn, "__code__", None) is not code:
         fn = next((f for f in caller.values() if getattr(f, "__code__", None) is code), None)
     return None if fn is None else (fn, module)
-
-
-def _neutral(path: str) -> bool:
-    """Code of torch, the standard library or tread_fx (never a library function's)."""
-    neutral = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.__file__) + os.sep)
-    return path.startswith(neutral) or own_file(path)
 
 
 def _package(frame: types.FrameType) -> str:

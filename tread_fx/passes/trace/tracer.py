@@ -273,10 +273,10 @@ def trace_call(
             auto_leaves[leaf] = f"{err.what} at {err.where}"
         except Exception as err:  # fx limitation inside a submodule: make it a leaf
             library_fn, caller = library_function_of(err, model_files) or (None, None)
-            if library_fn is not None and (
-                library_fn not in auto_functions or caller not in calling
-            ):  # e.g. einops: called on real values, wherever the model's code calls it
-                auto_functions.extend([library_fn] if library_fn not in auto_functions else [])
+            new = library_fn not in auto_functions or caller not in calling
+            if library_fn is not None and new:  # e.g. einops: run on real values, patched
+                if library_fn not in auto_functions:  # wherever the model's code calls it
+                    auto_functions.append(library_fn)
                 calling.append(caller)
                 continue
             leaf = _new_leaf(getattr(err, "tread_module_path", None), auto_leaves)
